@@ -1,0 +1,33 @@
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/python -m aioautograd.examples.demo
+
+test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q
+
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check aioautograd tests benchmarks
+	$(BIN)/ruff format --check aioautograd tests benchmarks
+
+bench: $(VENV)/.installed-test
+	$(BIN)/python benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

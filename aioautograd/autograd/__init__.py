@@ -1,0 +1,1 @@
+"""The backward graph: nodes, saved tensors and hooks."""

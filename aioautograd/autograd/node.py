@@ -1,0 +1,271 @@
+"""Nodes of the backward graph: `Node`, `GraphRoot`, `AccumulateGrad` and `Error`.
+
+A node's *inputs* are the gradients of its forward outputs; its *outputs* are the gradients
+of its forward inputs, sent along ``next_functions`` edges ``(node, input_nr)``. Each node
+records the metadata (shape, dtype, device) of every input so that the engine can validate
+the gradients flowing into it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from aioautograd.autograd.hooks import HookDict, RemovableHandle
+from aioautograd.grad_mode import _grad_enabled
+
+if TYPE_CHECKING:
+    from aioautograd._typing import Shape
+    from aioautograd.devices.device import Device
+    from aioautograd.tensor import Tensor
+
+Edge = tuple["Node | None", int]
+InputMetadata = tuple["Shape", Any, "Device"]
+Grads = list["Tensor | None"]
+
+_sequence_nr = itertools.count()
+# AccumulateGrad runs as soon as it is ready (PyTorch gives it UINT64_MAX).
+_ACCUMULATE_SEQUENCE_NR = sys.maxsize
+
+
+def next_sequence_nr() -> int:
+    return next(_sequence_nr)
+
+
+class Node:
+    """A function of the backward graph (PyTorch's ``torch.autograd.graph.Node``).
+
+    Attributes:
+        sequence_nr: creation order; the engine runs later-created nodes first.
+        topological_nr: length of the longest path from this node to a leaf.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_input_metadata",
+        "_lock",
+        "_metadata",
+        "_next_edges",
+        "_post_hooks",
+        "_pre_hooks",
+        "_retains_grad_hooks",
+        "_tensor_pre_hooks",
+        "sequence_nr",
+        "topological_nr",
+    )
+
+    # True for nodes whose ``apply`` is a coroutine function (awaited on the event loop).
+    is_async: ClassVar[bool] = False
+
+    def __init__(self, next_edges: tuple[Edge, ...] = (), sequence_nr: int | None = None) -> None:
+        self._set_next_edges(next_edges)
+        self.sequence_nr = next(_sequence_nr) if sequence_nr is None else sequence_nr
+        self._input_metadata: list[InputMetadata] = []
+        self._pre_hooks: HookDict | None = None
+        self._post_hooks: HookDict | None = None
+        self._tensor_pre_hooks: dict[int, HookDict] | None = None
+        self._retains_grad_hooks: dict[int, weakref.ReferenceType[Tensor]] | None = None
+        self._metadata: dict[str, Any] | None = None
+        # The engine holds it while applying the node: never two graph tasks at once.
+        self._lock = threading.Lock()
+
+    def _set_next_edges(self, next_edges: tuple[Edge, ...]) -> None:
+        self._next_edges = next_edges
+        topo = 0
+        for next_node, _ in next_edges:
+            if next_node is not None and next_node.topological_nr >= topo:
+                topo = next_node.topological_nr + 1
+        self.topological_nr = topo
+
+    # --------------------------------------------------------------------- public API
+    def name(self) -> str:
+        """The node's name, as PyTorch prints it (``MulBackward0``)."""
+        return type(self).__name__
+
+    @property
+    def next_functions(self) -> tuple[Edge, ...]:
+        """``((node, input_nr), ...)``: where each output gradient flows."""
+        return self._next_edges
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """A dict for user data (anomaly mode stores the forward traceback here)."""
+        if self._metadata is None:
+            self._metadata = {}
+        return self._metadata
+
+    def input_metadata(self, index: int) -> InputMetadata:
+        """``(shape, dtype, device)`` of the ``index``-th input (forward output)."""
+        return self._input_metadata[index]
+
+    @property
+    def num_inputs(self) -> int:
+        return len(self._input_metadata)
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self._next_edges)
+
+    def register_hook(
+        self, hook: Callable[[tuple[Tensor | None, ...], tuple[Tensor | None, ...]], Any]
+    ) -> RemovableHandle:
+        """Register ``hook(grad_inputs, grad_outputs)`` run after the node.
+
+        ``grad_inputs`` are the gradients the node computed (for its forward inputs) and
+        ``grad_outputs`` those it received. The hook may return replacement ``grad_inputs``.
+        """
+        if self._post_hooks is None:
+            self._post_hooks = HookDict()
+        return RemovableHandle(self._post_hooks, hook)
+
+    def register_prehook(
+        self, hook: Callable[[tuple[Tensor | None, ...]], Any]
+    ) -> RemovableHandle:
+        """Register ``hook(grad_outputs)`` run before the node; may return replacements."""
+        if self._pre_hooks is None:
+            self._pre_hooks = HookDict()
+        return RemovableHandle(self._pre_hooks, hook)
+
+    def __call__(self, *grads: Tensor | None) -> Any:
+        outputs = self.apply(list(grads))
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def __repr__(self) -> str:
+        return f"<{self.name()} object at {id(self):#x}>"
+
+    # ------------------------------------------------------------- engine interface
+    def apply(self, grads: Grads) -> Sequence[Tensor | None]:
+        """Compute output gradients from input gradients (one per ``next_functions`` edge)."""
+        raise NotImplementedError(f"{self.name()} does not implement apply()")
+
+    def release_variables(self) -> None:
+        """Free saved tensors (called after backward unless ``retain_graph=True``)."""
+
+    def _register_tensor_pre_hook(
+        self, input_nr: int, hook: Callable[[Tensor], Tensor | None]
+    ) -> RemovableHandle:
+        if self._tensor_pre_hooks is None:
+            self._tensor_pre_hooks = {}
+        hooks = self._tensor_pre_hooks.get(input_nr)
+        if hooks is None:
+            hooks = self._tensor_pre_hooks[input_nr] = HookDict()
+        return RemovableHandle(hooks, hook)
+
+    def _set_retains_grad(self, input_nr: int, tensor: Tensor) -> None:
+        if self._retains_grad_hooks is None:
+            self._retains_grad_hooks = {}
+        self._retains_grad_hooks[input_nr] = weakref.ref(tensor)
+
+    def _add_input_metadata(self, tensor: Tensor) -> int:
+        self._input_metadata.append((tensor.data.shape, tensor.data.dtype, tensor.device))
+        return len(self._input_metadata) - 1
+
+
+class GraphRoot(Node):
+    """The node the engine starts from: it emits the root gradients along its edges."""
+
+    __slots__ = ("_grads",)
+
+    def __init__(self, edges: tuple[Edge, ...], grads: Grads) -> None:
+        super().__init__(edges, sequence_nr=_ACCUMULATE_SEQUENCE_NR)
+        self._grads = grads
+
+    def apply(self, grads: Grads) -> Sequence[Tensor | None]:
+        return self._grads
+
+
+class AccumulateGrad(Node):
+    """Accumulates the incoming gradient into ``variable.grad`` (one per leaf tensor).
+
+    Thread-safe: the node lock serialises writers, including concurrent graph tasks.
+    Without ``create_graph`` the gradient buffer is reused when nothing else references it
+    (PyTorch's "steal") and later gradients are added in place; with ``create_graph`` the
+    sum is recorded in the graph.
+    """
+
+    __slots__ = ("variable",)
+
+    def __init__(self, variable: Tensor) -> None:
+        super().__init__((), sequence_nr=_ACCUMULATE_SEQUENCE_NR)
+        self.variable = variable
+        if variable._backward_hooks is None:
+            variable._backward_hooks = HookDict()
+        self._tensor_pre_hooks = {0: variable._backward_hooks}
+
+    @property  # type: ignore[override]
+    def _input_metadata(self) -> list[InputMetadata]:
+        # Read live: users may rebind ``leaf.data``.
+        variable = self.variable
+        return [(variable.data.shape, variable.data.dtype, variable.device)]
+
+    @_input_metadata.setter
+    def _input_metadata(self, value: list[InputMetadata]) -> None:
+        pass  # derived from the variable; Node.__init__ assigns a default
+
+    def apply(self, grads: Grads) -> Sequence[Tensor | None]:
+        grad = grads[0]
+        grads[0] = None  # drop the buffer's reference so the gradient can be stolen
+        if grad is None:
+            return ()
+        variable = self.variable
+        # The engine holds this node's lock while applying it: one writer per leaf.
+        accumulate_grad(variable, grad)
+        hooks = variable._post_accumulate_grad_hooks
+        if hooks:
+            for hook in tuple(hooks.values()):
+                hook(variable)
+        return ()
+
+
+def accumulate_grad(variable: Tensor, grad: Tensor) -> None:
+    """Add ``grad`` into ``variable.grad`` following PyTorch's AccumulateGrad rules."""
+    old = variable._grad
+    if _grad_enabled.get():  # create_graph: keep the accumulation differentiable
+        variable._grad = grad if old is None else old + grad
+        return
+    if old is None:
+        variable._grad = grad if _exclusively_owned(grad) else _detached_copy(grad)
+    elif old.grad_fn is None and old.data.flags.writeable:
+        old.xp.add(old.data, grad.data, out=old.data)
+        old._bump_version()
+    else:
+        variable._grad = _detached_copy(old + grad)
+
+
+def _exclusively_owned(grad: Tensor) -> bool:
+    """True when nobody but the caller references ``grad`` or its array, so it can be kept.
+
+    Two references each: the caller's local variable (or the Tensor's ``data`` slot) and the
+    argument of ``sys.getrefcount``.
+    """
+    data = grad.data
+    return (
+        grad.grad_fn is None
+        and grad._base is None
+        and data.base is None
+        and data.flags.writeable
+        and sys.getrefcount(grad) <= 3
+        and sys.getrefcount(data) <= 2
+    )
+
+
+def _detached_copy(tensor: Tensor) -> Tensor:
+    return tensor._new(tensor.data.copy())
+
+
+class Error(Node):
+    """A node that raises when the engine reaches it (e.g. double backward through a
+    ``once_differentiable`` function)."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str, next_edges: tuple[Edge, ...]) -> None:
+        super().__init__(next_edges)
+        self.message = message
+
+    def apply(self, grads: Grads) -> Sequence[Tensor | None]:
+        raise RuntimeError(self.message)

@@ -1,0 +1,264 @@
+"""`backward` and `grad` (coroutines) and their blocking `*_sync` twins."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from aioautograd.autograd.node import Edge
+from aioautograd.engine.engine import Engine
+from aioautograd.tensor import Tensor
+
+TensorOrTensors = Tensor | Sequence[Tensor]
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, Tensor):
+        return (value,)
+    return tuple(value)
+
+
+def _make_grads(
+    outputs: tuple[Tensor, ...], grads: tuple[Tensor | None, ...]
+) -> list[Tensor | None]:
+    if len(grads) != len(outputs):
+        raise RuntimeError(
+            f"grad can be implicitly created only for scalar outputs; got {len(grads)} "
+            f"gradients for {len(outputs)} outputs"
+        )
+    result: list[Tensor | None] = []
+    for i, (out, grad) in enumerate(zip(outputs, grads, strict=True)):
+        if grad is None:
+            if out.data.size != 1:
+                raise RuntimeError(
+                    "grad can be implicitly created only for scalar outputs "
+                    f"(output {i} has shape {tuple(out.shape)}); pass `gradient=` with a "
+                    "tensor of the output's shape"
+                )
+            if out.data.dtype.kind not in "fc":
+                raise RuntimeError(
+                    "grad can be implicitly created only for real scalar outputs but got "
+                    f"{out.data.dtype}"
+                )
+            result.append(Tensor(out.xp.ones_like(out.data), out.device))
+            continue
+        if not isinstance(grad, Tensor):
+            raise TypeError(
+                f"gradients must be Tensors or None, but gradient {i} is a {type(grad).__name__}"
+            )
+        if grad.shape != out.shape:
+            raise RuntimeError(
+                f"Mismatch in shape: grad_output[{i}] has a shape of {tuple(grad.shape)} and "
+                f"output[{i}] has a shape of {tuple(out.shape)}."
+            )
+        if grad.data.dtype.kind != out.data.dtype.kind:
+            raise RuntimeError(
+                f"Mismatch in dtype: grad_output[{i}] has dtype {grad.data.dtype} and "
+                f"output[{i}] has dtype {out.data.dtype}; pass a gradient of the output's dtype."
+            )
+        if grad.device is not out.device:
+            raise RuntimeError(
+                f"Mismatch in device: grad_output[{i}] is on {grad.device} and output[{i}] is "
+                f"on {out.device}; move the gradient with .to('{out.device}')."
+            )
+        result.append(grad)
+    return result
+
+
+def _root_edges(tensors: tuple[Tensor, ...]) -> list[Edge]:
+    edges: list[Edge] = []
+    for i, tensor in enumerate(tensors):
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"backward expects Tensors, but element {i} is {type(tensor).__name__}")
+        if not tensor._requires_grad:
+            raise RuntimeError(
+                f"element {i} of tensors does not require grad and does not have a grad_fn "
+                "(was it computed under no_grad, or from tensors without requires_grad=True?)"
+            )
+        edges.append(tensor._gradient_edge())
+    return edges
+
+
+def _input_edges(inputs: tuple[Tensor, ...]) -> list[Edge]:
+    edges: list[Edge] = []
+    for tensor in inputs:
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"inputs must be Tensors, got {type(tensor).__name__}")
+        if not tensor._requires_grad:
+            raise RuntimeError("One of the differentiated Tensors does not require grad")
+        edges.append(tensor._gradient_edge())
+    return edges
+
+
+def _prepare_backward(
+    tensors: TensorOrTensors,
+    grad_tensors: Any,
+    retain_graph: bool | None,
+    create_graph: bool,
+    inputs: TensorOrTensors | None,
+) -> tuple[list[Edge], list[Tensor | None], bool, list[Edge] | None, tuple[Tensor, ...]]:
+    outputs = _as_tuple(tensors)
+    if inputs is not None and not _as_tuple(inputs):
+        raise RuntimeError("'inputs' argument to backward() cannot be empty.")
+    grads = _as_tuple(grad_tensors) if grad_tensors is not None else (None,) * len(outputs)
+    roots = _root_edges(outputs)
+    checked = _make_grads(outputs, grads)
+    keep_graph = create_graph if retain_graph is None else retain_graph
+    input_tuple = _as_tuple(inputs)
+    return roots, checked, keep_graph, (_input_edges(input_tuple) if inputs else None), input_tuple
+
+
+def _accumulate_non_leaf(inputs: tuple[Tensor, ...], captured: list[Tensor | None]) -> None:
+    # backward(inputs=[non_leaf]) accumulates into the non-leaf's .grad, as PyTorch does.
+    for tensor, grad in zip(inputs, captured, strict=False):
+        if tensor.grad_fn is not None and grad is not None:
+            tensor._grad = grad if tensor._grad is None else tensor._grad + grad
+
+
+async def backward(
+    tensors: TensorOrTensors,
+    grad_tensors: TensorOrTensors | None = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    inputs: TensorOrTensors | None = None,
+) -> None:
+    """Accumulate gradients of ``tensors`` into the ``.grad`` of graph leaves.
+
+    A coroutine: the pass runs on the engine's executors while the event loop keeps serving
+    other tasks. Any number of backward passes may run concurrently.
+
+    Args:
+        tensors: roots to differentiate.
+        grad_tensors: gradients w.r.t. each root (may be omitted for scalar roots).
+        retain_graph: keep saved tensors for another backward (defaults to ``create_graph``).
+        create_graph: record the backward pass itself, for higher-order gradients.
+        inputs: accumulate only into these tensors (leaves or non-leaves).
+
+    Raises:
+        RuntimeError: for roots that do not require grad, non-scalar roots without a
+            gradient, mismatched gradients, a second backward through freed saved tensors,
+            or any error raised by a node (with a note naming the node).
+
+    Example::
+
+        loss = ((model(x) - y) ** 2).mean()
+        await loss.backward()
+    """
+    roots, grads, keep_graph, outputs, input_tuple = _prepare_backward(
+        tensors, grad_tensors, retain_graph, create_graph, inputs
+    )
+    captured = await Engine.get_default_engine().execute(
+        roots, grads, keep_graph, create_graph, True, outputs
+    )
+    if outputs is not None:
+        _accumulate_non_leaf(input_tuple, captured)
+
+
+def backward_sync(
+    tensors: TensorOrTensors,
+    grad_tensors: TensorOrTensors | None = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    inputs: TensorOrTensors | None = None,
+) -> None:
+    """Blocking :func:`backward` for code without a running event loop (scripts, and
+    backward functions of sync nodes, where it runs reentrantly on the executor thread).
+
+    Raises:
+        RuntimeError: when called on a thread that runs an event loop (use ``await``).
+    """
+    roots, grads, keep_graph, outputs, input_tuple = _prepare_backward(
+        tensors, grad_tensors, retain_graph, create_graph, inputs
+    )
+    captured = Engine.get_default_engine().execute_sync(
+        roots, grads, keep_graph, create_graph, True, outputs
+    )
+    if outputs is not None:
+        _accumulate_non_leaf(input_tuple, captured)
+
+
+def _prepare_grad(
+    outputs: TensorOrTensors,
+    inputs: TensorOrTensors,
+    grad_outputs: Any,
+    retain_graph: bool | None,
+    create_graph: bool,
+) -> tuple[list[Edge], list[Tensor | None], bool, list[Edge]]:
+    output_tuple = _as_tuple(outputs)
+    input_tuple = _as_tuple(inputs)
+    if not input_tuple:
+        raise RuntimeError("grad requires at least one input tensor")
+    grads = (
+        _as_tuple(grad_outputs) if grad_outputs is not None else (None,) * len(output_tuple)
+    )
+    roots = _root_edges(output_tuple)
+    checked = _make_grads(output_tuple, grads)
+    keep_graph = create_graph if retain_graph is None else retain_graph
+    return roots, checked, keep_graph, _input_edges(input_tuple)
+
+
+def _finish_grad(
+    captured: list[Tensor | None], inputs: TensorOrTensors, allow_unused: bool,
+    materialize_grads: bool,
+) -> tuple[Tensor | None, ...]:
+    input_tuple = _as_tuple(inputs)
+    result: list[Tensor | None] = []
+    for tensor, grad in zip(input_tuple, captured, strict=True):
+        if grad is None:
+            if materialize_grads:
+                grad = Tensor(tensor.xp.zeros_like(tensor.data), tensor.device)
+            elif not allow_unused:
+                raise RuntimeError(
+                    "One of the differentiated Tensors appears to not have been used in the "
+                    "graph. Set allow_unused=True if this is the desired behavior."
+                )
+        result.append(grad)
+    return tuple(result)
+
+
+async def grad(
+    outputs: TensorOrTensors,
+    inputs: TensorOrTensors,
+    grad_outputs: TensorOrTensors | None = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    allow_unused: bool | None = None,
+    materialize_grads: bool = False,
+) -> tuple[Tensor | None, ...]:
+    """Return the gradients of ``outputs`` with respect to ``inputs`` (``.grad`` untouched).
+
+    Only the part of the graph between them runs. With ``create_graph=True`` the results
+    are differentiable (Hessian-vector products, gradient penalties).
+
+    Raises:
+        RuntimeError: if an input was not used in the graph and ``allow_unused`` is false,
+            plus everything :func:`backward` raises.
+    """
+    roots, grads, keep_graph, edges = _prepare_grad(
+        outputs, inputs, grad_outputs, retain_graph, create_graph
+    )
+    captured = await Engine.get_default_engine().execute(
+        roots, grads, keep_graph, create_graph, False, edges
+    )
+    return _finish_grad(captured, inputs, bool(allow_unused), materialize_grads)
+
+
+def grad_sync(
+    outputs: TensorOrTensors,
+    inputs: TensorOrTensors,
+    grad_outputs: TensorOrTensors | None = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    allow_unused: bool | None = None,
+    materialize_grads: bool = False,
+) -> tuple[Tensor | None, ...]:
+    """Blocking :func:`grad` (see :func:`backward_sync` for where it may be called)."""
+    roots, grads, keep_graph, edges = _prepare_grad(
+        outputs, inputs, grad_outputs, retain_graph, create_graph
+    )
+    captured = Engine.get_default_engine().execute_sync(
+        roots, grads, keep_graph, create_graph, False, edges
+    )
+    return _finish_grad(captured, inputs, bool(allow_unused), materialize_grads)

@@ -1,0 +1,218 @@
+"""`Engine`: builds graph tasks and owns the per-device executors (mirrors engine.cpp)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+from aioautograd.anomaly_mode import _anomaly
+from aioautograd.autograd.node import Edge, GraphRoot, Node
+from aioautograd.devices.device import Device
+from aioautograd.engine.evaluate import buffer_device, evaluate_task
+from aioautograd.engine.executor import Executor
+from aioautograd.engine.graph_task import GraphTask, current_graph_task
+from aioautograd.engine.ready_queue import NodeTask
+from aioautograd.engine.validate import validate_outputs
+from aioautograd.tensor import Tensor
+
+
+def _default_cpu_threads() -> int:
+    return max(2, min(8, os.cpu_count() or 2))
+
+
+class Engine:
+    """Runs backward passes: any number of graph tasks at once, from any loops or threads.
+
+    Each device has one executor: CPU work runs on a pool of worker threads
+    (``num_cpu_threads``, default from the core count), each CUDA device on its own thread.
+    Use :func:`get_default_engine` unless you need an isolated engine.
+    """
+
+    _default: ClassVar[Engine | None] = None
+    _default_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, num_cpu_threads: int | None = None) -> None:
+        self.num_cpu_threads = num_cpu_threads or _default_cpu_threads()
+        self._executors: dict[Device, Executor] = {}
+        self._executors_lock = threading.Lock()
+
+    @classmethod
+    def get_default_engine(cls) -> Engine:
+        """The process-wide engine used by ``backward`` and ``grad``."""
+        engine = cls._default
+        if engine is None:
+            with cls._default_lock:
+                engine = cls._default
+                if engine is None:
+                    engine = cls._default = Engine()
+        return engine
+
+    # ---------------------------------------------------------------------- executors
+    def executor(self, device: Device) -> Executor:
+        """The executor serving ``device`` (created on first use)."""
+        executor = self._executors.get(device)
+        if executor is None:
+            with self._executors_lock:
+                executor = self._executors.get(device)
+                if executor is None:
+                    threads = self.num_cpu_threads if device.type == "cpu" else 1
+                    executor = self._executors[device] = Executor(self, device, threads)
+        return executor
+
+    @property
+    def executors(self) -> dict[Device, Executor]:
+        return dict(self._executors)
+
+    def push(self, task: NodeTask, device: Device) -> None:
+        self.executor(device).push(task)
+
+    def push_continuation(self, task: NodeTask) -> None:
+        """Hand the outputs of an async node back to an executor for bookkeeping."""
+        outputs = task.outputs or ()
+        self.push(task, buffer_device(list(outputs)))
+
+    def dispatch(self, ready: list[NodeTask], device: Device) -> NodeTask | None:
+        """Push ready tasks to their devices' queues, keeping at most one to run here next.
+
+        The kept task is the highest-priority one for ``device``, and only if nothing of
+        higher priority already waits in this device's queue (so ordering matches a pop).
+        """
+        local: NodeTask | None = None
+        for task in ready:
+            task_device = buffer_device(task.inputs)
+            if task_device is device and (local is None or task.key > local.key):
+                if local is not None:
+                    self.push(local, device)
+                local = task
+            else:
+                self.push(task, task_device)
+        if local is not None:
+            queue = self.executor(device).queue
+            top = queue.top_key()
+            if top is not None and top > local.key:
+                self.push(local, device)
+                return None
+        return local
+
+    def evaluate_task(self, task: NodeTask, executor: Executor) -> NodeTask | None:
+        return evaluate_task(self, task, executor)
+
+    # ---------------------------------------------------------------------- execution
+    def _make_graph_task(
+        self,
+        roots: Sequence[Edge],
+        grads: Sequence[Tensor | None],
+        keep_graph: bool,
+        create_graph: bool,
+        accumulate_grad: bool,
+        outputs: Sequence[Edge] | None,
+        loop: asyncio.AbstractEventLoop | None,
+    ) -> tuple[GraphTask, NodeTask, Device]:
+        checked = validate_outputs(roots, grads, "backward")
+        parent = current_graph_task.get()
+        graph_task = GraphTask(
+            self,
+            keep_graph=keep_graph,
+            create_graph=create_graph,
+            reentrant_depth=0 if parent is None else parent.reentrant_depth + 1,
+            anomaly=_anomaly.get(),
+            loop=loop if loop is not None else (parent.loop if parent is not None else None),
+            parent=parent,
+        )
+        root: Node
+        if len(roots) == 1 and roots[0][0] is not None:
+            # One root: start at its node directly (PyTorch skips the dummy GraphRoot too).
+            root, input_nr = roots[0]
+            assert root is not None
+            buffer: list[Tensor | None] = [None] * len(root._input_metadata)
+            buffer[input_nr] = checked[0]
+            first = NodeTask(graph_task, root, buffer)
+        else:
+            root = GraphRoot(tuple(roots), checked)
+            first = NodeTask(graph_task, root, [])
+        min_topo_nr = min((e[0].topological_nr for e in outputs if e[0]), default=0) if (
+            outputs
+        ) else 0
+        graph_task.compute_dependencies(root, min_topo_nr)
+        if outputs is not None:
+            graph_task.init_to_execute(root, outputs, accumulate_grad, min_topo_nr)
+        return graph_task, first, buffer_device(list(checked))
+
+    async def execute(
+        self,
+        roots: Sequence[Edge],
+        inputs: Sequence[Tensor | None],
+        keep_graph: bool,
+        create_graph: bool,
+        accumulate_grad: bool,
+        outputs: Sequence[Edge] | None = None,
+    ) -> list[Tensor | None]:
+        """Run a backward pass from ``roots`` seeded with ``inputs`` (their gradients).
+
+        With ``outputs``, only the nodes on a path to them run and the gradients flowing
+        into them are returned (``grad()``); with ``accumulate_grad`` leaves accumulate into
+        ``.grad``. Cancelling the awaiting task cancels the graph task.
+        """
+        loop = asyncio.get_running_loop()
+        graph_task, first, device = self._make_graph_task(
+            roots, inputs, keep_graph, create_graph, accumulate_grad, outputs, loop
+        )
+        return await graph_task.run(first, device)
+
+    def execute_sync(
+        self,
+        roots: Sequence[Edge],
+        inputs: Sequence[Tensor | None],
+        keep_graph: bool,
+        create_graph: bool,
+        accumulate_grad: bool,
+        outputs: Sequence[Edge] | None = None,
+    ) -> list[Tensor | None]:
+        """Blocking twin of :meth:`execute`; refuses to run on an event loop's thread."""
+        ensure_no_running_loop("backward_sync/grad_sync")
+        graph_task, first, device = self._make_graph_task(
+            roots, inputs, keep_graph, create_graph, accumulate_grad, outputs, None
+        )
+        return graph_task.run_sync(first, device)
+
+    @staticmethod
+    def queue_callback(callback: Callable[[], Any]) -> None:
+        """Run ``callback`` (plain or ``async``) when the current backward pass completes.
+
+        Callable only during backward (from a node, a hook, or another callback). Callbacks
+        run in the order they were queued, and all have finished before ``await backward()``
+        returns.
+        """
+        graph_task = current_graph_task.get()
+        if graph_task is None:
+            raise RuntimeError(
+                "Final callbacks can only be installed during backward pass "
+                "(call queue_callback from a backward node, a hook or another callback)."
+            )
+        with graph_task.lock:
+            graph_task.final_callbacks.append(callback)
+
+
+def ensure_no_running_loop(name: str) -> None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError(
+        f"{name} called from a thread that is running an event loop: it would block the "
+        "loop. Use the coroutine instead: `await tensor.backward()` / "
+        "`await aioautograd.backward(...)` / `await aioautograd.grad(...)`."
+    )
+
+
+def get_default_engine() -> Engine:
+    """The process-wide default :class:`Engine`."""
+    return Engine.get_default_engine()
+
+
+def queue_callback(callback: Callable[[], Any]) -> None:
+    """Shortcut for :meth:`Engine.queue_callback`."""
+    Engine.queue_callback(callback)

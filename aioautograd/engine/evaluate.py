@@ -1,0 +1,195 @@
+"""`evaluate_function`: what a worker does with one `NodeTask` (mirrors engine.cpp).
+
+Order, as in PyTorch: tensor pre-hooks (and ``retain_grad``), captures for ``grad()``,
+node pre-hooks, the node, ``validate_outputs``, post-hooks, the anomaly NaN check, release of
+saved tensors, then the dependency bookkeeping that fills input buffers and makes successor
+tasks ready. All of it runs on the executor thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from aioautograd.autograd.node import Node
+from aioautograd.devices.device import CPU, Device
+from aioautograd.engine.graph_task import GraphTask, current_graph_task, enter_graph_task
+from aioautograd.engine.ready_queue import NodeTask
+from aioautograd.engine.validate import validate_outputs
+from aioautograd.tensor import Tensor
+
+if TYPE_CHECKING:
+    from aioautograd.engine.engine import Engine
+    from aioautograd.engine.executor import Executor
+
+Grads = list[Tensor | None]
+
+
+def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTask | None:
+    """Evaluate ``task``; return a successor to run next on this thread, if any."""
+    graph_task = task.graph_task
+    if graph_task.has_error:
+        graph_task.task_finished()
+        return None
+    if current_graph_task.get() is not graph_task:
+        # Worker threads keep their own context; it changes only when they switch tasks.
+        enter_graph_task(graph_task)
+    node = task.node
+    inputs = task.inputs
+    try:
+        if task.outputs is not None:  # an async node finished on the loop
+            outputs = _finish_outputs(graph_task, node, task.outputs, inputs)
+        else:
+            task.inputs = []  # the buffer is ours now; AccumulateGrad may steal from it
+            outputs = _call_function(graph_task, node, inputs, executor.device)
+            if outputs is None:  # handed to the event loop, or nothing to run
+                return None
+        return _make_ready(engine, graph_task, node, outputs, executor.device)
+    except BaseException as exc:
+        graph_task.set_error(exc, node, executor.device, inputs)
+        graph_task.task_finished()
+        if not isinstance(exc, Exception):
+            raise
+        return None
+
+
+def _call_function(
+    graph_task: GraphTask, node: Node, inputs: Grads, device: Device
+) -> Sequence[Tensor | None] | None:
+    if node._tensor_pre_hooks or node._retains_grad_hooks:
+        inputs = _call_tensor_pre_hooks(node, inputs)
+    exec_info = graph_task.exec_info
+    if exec_info is not None:
+        info = exec_info[node]
+        if info.captures:
+            with graph_task.lock:
+                for input_nr, output_idx in info.captures:
+                    graph_task.captured_vars[output_idx] = inputs[input_nr]
+        if not info.needed:
+            graph_task.task_finished()
+            return None
+    if node._pre_hooks:
+        for hook in tuple(node._pre_hooks.values()):
+            result = hook(tuple(inputs))
+            if result is not None:
+                inputs = list(result)
+    if node.is_async:
+        if graph_task.loop is not None and graph_task.loop.is_running():
+            graph_task.start_async_node(node, inputs)
+            return None
+        outputs = asyncio.run(node.apply(inputs))  # type: ignore[arg-type]
+    else:
+        with node._lock:
+            outputs = node.apply(inputs)
+    return _finish_outputs(graph_task, node, outputs, inputs)
+
+
+def _finish_outputs(
+    graph_task: GraphTask, node: Node, outputs: Sequence[Tensor | None], inputs: Grads
+) -> Sequence[Tensor | None]:
+    if not graph_task.keep_graph:
+        node.release_variables()
+    edges = node._next_edges
+    if edges:
+        outputs = validate_outputs(edges, outputs, node.name())
+    if node._post_hooks:
+        input_tuple = tuple(inputs)
+        for hook in tuple(node._post_hooks.values()):
+            result = hook(tuple(outputs), input_tuple)
+            if result is not None:
+                outputs = list(result)
+    if graph_task.anomaly.enabled and graph_task.anomaly.check_nan:
+        _check_nan(node, outputs)
+    return outputs
+
+
+def _call_tensor_pre_hooks(node: Node, inputs: Grads) -> Grads:
+    inputs = list(inputs)
+    if node._tensor_pre_hooks:
+        for input_nr, hooks in node._tensor_pre_hooks.items():
+            for hook in tuple(hooks.values()):
+                grad = inputs[input_nr]
+                if grad is None:
+                    break
+                result = hook(grad)
+                if result is not None:
+                    inputs[input_nr] = result
+    if node._retains_grad_hooks:
+        for input_nr, tensor_ref in node._retains_grad_hooks.items():
+            tensor = tensor_ref()
+            grad = inputs[input_nr]
+            if tensor is None or grad is None:
+                continue
+            if tensor._grad is None:
+                tensor._grad = grad if grad.grad_fn is not None else grad.detach().clone()
+            else:
+                tensor._grad = tensor._grad + grad
+    return inputs
+
+
+def _check_nan(node: Node, outputs: Sequence[Tensor | None]) -> None:
+    for i, grad in enumerate(outputs):
+        if grad is not None and grad.data.dtype.kind in "fc" and grad.xp.isnan(grad.data).any():
+            raise RuntimeError(f"Function '{node.name()}' returned nan values in its {i}th output.")
+
+
+def _make_ready(
+    engine: Engine,
+    graph_task: GraphTask,
+    node: Node,
+    outputs: Sequence[Tensor | None],
+    device: Device,
+) -> NodeTask | None:
+    """Dependency bookkeeping: fill input buffers, collect ready successors, push them."""
+    exec_info = graph_task.exec_info
+    ready: list[NodeTask] = []
+    with graph_task.lock:
+        dependencies = graph_task.dependencies
+        not_ready = graph_task.not_ready
+        for i, (next_node, input_nr) in enumerate(node._next_edges):
+            if next_node is None:
+                continue
+            if exec_info is not None:
+                info = exec_info.get(next_node)
+                if info is None or not info.should_execute():
+                    continue
+            count = dependencies[next_node]
+            grad = outputs[i]
+            if count == 1:
+                del dependencies[next_node]
+                buffer = not_ready.pop(next_node, None)
+                if buffer is None:
+                    buffer = [None] * len(next_node._input_metadata)
+                _accumulate(buffer, input_nr, grad)
+                ready.append(NodeTask(graph_task, next_node, buffer))
+            else:
+                dependencies[next_node] = count - 1
+                buffer = not_ready.get(next_node)
+                if buffer is None:
+                    buffer = not_ready[next_node] = [None] * len(next_node._input_metadata)
+                _accumulate(buffer, input_nr, grad)
+        graph_task.outstanding_tasks += len(ready) - 1
+        done = graph_task.outstanding_tasks == 0
+    if done:
+        graph_task.all_tasks_done()
+        return None
+    if not ready:
+        return None
+    return engine.dispatch(ready, device)
+
+
+def _accumulate(buffer: Grads, position: int, grad: Tensor | None) -> None:
+    """``InputBuffer::add``: sum gradients arriving at the same input."""
+    if grad is None:
+        return
+    old = buffer[position]
+    buffer[position] = grad if old is None else old + grad
+
+
+def buffer_device(buffer: Grads) -> Device:
+    """The device a task runs on: that of its first defined input gradient (else CPU)."""
+    for grad in buffer:
+        if grad is not None:
+            return grad.device
+    return CPU

@@ -1,0 +1,125 @@
+"""Per-device executors: worker threads that drain a `ReadyQueue` (PyTorch's ``thread_main``).
+
+Workers evaluate nodes *and* do the dependency bookkeeping themselves, so the event loop is
+never round-tripped per node. A worker that finishes a node whose successor is ready on the
+same device runs it directly when nothing of higher priority waits in the queue, which keeps
+a chain of nodes on one thread without queue traffic.
+
+Reentrant backward: a node running on a worker may call ``backward_sync``; the worker then
+serves its own queue until that nested graph task completes (``drive``), as ``thread_main``
+recursion does. Past ``MAX_DEPTH`` nested levels on one thread, the nested graph task is
+driven by a fresh thread instead, so depth is bounded by neither deadlock nor stack size.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from aioautograd.engine.ready_queue import ReadyQueue
+
+if TYPE_CHECKING:
+    from aioautograd.devices.device import Device
+    from aioautograd.engine.engine import Engine
+    from aioautograd.engine.graph_task import GraphTask
+    from aioautograd.engine.ready_queue import NodeTask
+
+MAX_DEPTH = 60
+
+
+class _WorkerState(threading.local):
+    """Which executor the current thread works for and how deep its reentrant recursion is.
+
+    This is a property of the *thread* (as PyTorch's ``worker_device``), not of a task.
+    """
+
+    executor: Executor | None = None
+    depth: int = 0
+
+
+worker_state = _WorkerState()
+
+
+class Executor:
+    """Worker threads serving the ready queue of one device."""
+
+    def __init__(self, engine: Engine, device: Device, num_threads: int) -> None:
+        self.engine = engine
+        self.device = device
+        self.num_threads = num_threads
+        self.queue = ReadyQueue()
+        self._threads: list[threading.Thread] = []
+        self._start_lock = threading.Lock()
+        self._busy_lock = threading.Lock()
+        self.busy = 0  # threads currently running a task (for observability and tests)
+
+    def push(self, task: NodeTask) -> None:
+        if len(self._threads) < self.num_threads:
+            self._start()
+        self.queue.push(task)
+
+    def _start(self) -> None:
+        with self._start_lock:
+            while len(self._threads) < self.num_threads:
+                thread = threading.Thread(
+                    target=self._thread_main,
+                    name=f"aioautograd-{self.device}-{len(self._threads)}",
+                    daemon=True,
+                )
+                self._threads.append(thread)
+                thread.start()
+
+    def _thread_main(self) -> None:
+        worker_state.executor = self
+        worker_state.depth = 0
+        queue = self.queue
+        while True:
+            task = queue.pop()
+            if task is not None:
+                self.run(task)
+
+    def run(self, task: NodeTask | None) -> None:
+        """Evaluate ``task`` and the chain of same-device successors it makes ready."""
+        evaluate = self.engine.evaluate_task
+        with self._busy_lock:
+            self.busy += 1
+        try:
+            while task is not None:
+                task = evaluate(task, self)
+        finally:
+            with self._busy_lock:
+                self.busy -= 1
+
+    def drive(self, graph_task: GraphTask) -> None:
+        """Serve this executor's queue on the current thread until ``graph_task`` completes.
+
+        Called by a worker thread that started a nested (reentrant) graph task.
+        """
+        if worker_state.depth >= MAX_DEPTH:
+            self._drive_on_fresh_thread(graph_task)
+            return
+        worker_state.depth += 1
+        graph_task.owner_queue = self.queue
+        try:
+            def completed() -> bool:
+                return graph_task.completed
+
+            while not graph_task.completed:
+                task = self.queue.pop(completed)
+                if task is not None:
+                    self.run(task)
+        finally:
+            worker_state.depth -= 1
+
+    def _drive_on_fresh_thread(self, graph_task: GraphTask) -> None:
+        def main() -> None:
+            worker_state.executor = self
+            worker_state.depth = 0
+            self.drive(graph_task)
+
+        thread = threading.Thread(
+            target=main, name=f"aioautograd-{self.device}-reentrant", daemon=True
+        )
+        thread.start()
+        graph_task.wait_completed()
+        thread.join()

@@ -1,0 +1,357 @@
+"""`GraphTask`: the state of one backward pass (mirrors graph_task.h).
+
+A graph task is started by a coroutine on the caller's event loop (or, for the ``*_sync``
+twins, by a thread that waits) and then lives on the executors: workers evaluate its nodes,
+count down its ``dependencies``, fill its ``not_ready`` input buffers and push ready tasks.
+The worker that brings ``outstanding_tasks`` to zero signals completion once; the starter
+then runs the post-processing (``mark_as_completed_and_run_post_processing``): the
+``not_ready`` check, the final callbacks in order, and the result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aioautograd.anomaly_mode import AnomalyMode, _anomaly
+from aioautograd.autograd.node import AccumulateGrad, Edge, Node
+from aioautograd.autograd.saved import describe
+from aioautograd.engine.ready_queue import DEPTH_SHIFT, NodeTask, ReadyQueue
+from aioautograd.grad_mode import _grad_enabled
+
+if TYPE_CHECKING:
+    from aioautograd.devices.device import Device
+    from aioautograd.engine.engine import Engine
+    from aioautograd.tensor import Tensor
+
+_ids = itertools.count(1)
+
+# The graph task whose backward is running in this context (worker thread, async node, or
+# a final callback): ``queue_callback`` and nested backward attach to it.
+current_graph_task: contextvars.ContextVar[GraphTask | None] = contextvars.ContextVar(
+    "current_graph_task", default=None
+)
+
+
+def enter_graph_task(graph_task: GraphTask) -> None:
+    """Make the current context run ``graph_task``'s nodes: its grad mode (``create_graph``),
+    its anomaly mode and ``current_graph_task``."""
+    current_graph_task.set(graph_task)
+    _grad_enabled.set(graph_task.grad_mode)
+    _anomaly.set(graph_task.anomaly)
+
+
+@dataclass(slots=True)
+class ExecInfo:
+    """Whether a node must run, and which of its inputs ``grad()`` captures."""
+
+    needed: bool = False
+    captures: list[tuple[int, int]] = field(default_factory=list)  # (input_nr, output_idx)
+
+    def should_execute(self) -> bool:
+        return self.needed or bool(self.captures)
+
+
+class GraphTask:
+    """One backward pass over a graph (see module docstring)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        keep_graph: bool,
+        create_graph: bool,
+        reentrant_depth: int,
+        anomaly: AnomalyMode,
+        loop: asyncio.AbstractEventLoop | None,
+        parent: GraphTask | None,
+    ) -> None:
+        self.id = next(_ids)
+        self.engine = engine
+        self.keep_graph = keep_graph
+        self.grad_mode = create_graph
+        self.reentrant_depth = reentrant_depth
+        self.depth_key = reentrant_depth << DEPTH_SHIFT
+        self.anomaly = anomaly
+        self.loop = loop
+        self.parent = parent
+        self.lock = threading.Lock()
+        self.outstanding_tasks = 0
+        self.dependencies: dict[Node, int] = {}
+        self.not_ready: dict[Node, list[Tensor | None]] = {}
+        self.exec_info: dict[Node, ExecInfo] | None = None
+        self.captured_vars: list[Tensor | None] = []
+        self.has_error = False
+        self.error: BaseException | None = None
+        self.final_callbacks: list[Callable[[], Any]] = []
+        self.completed = False
+        self.owner_queue: ReadyQueue | None = None
+        self.future_result: asyncio.Future[list[Tensor | None]] | None = None
+        self._done_future: asyncio.Future[None] | None = None
+        self._done_event: threading.Event | None = None
+        self._async_context: contextvars.Context | None = None
+        self._async_tasks: set[asyncio.Task[None]] = set()
+
+    def __repr__(self) -> str:
+        return f"<GraphTask {self.id} depth={self.reentrant_depth}>"
+
+    # ------------------------------------------------------------------ graph analysis
+    def compute_dependencies(self, root: Node, min_topo_nr: int) -> None:
+        """Count, for each node reachable from ``root``, the edges that lead into it."""
+        dependencies = self.dependencies
+        seen = {root}
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            for next_node, _ in node._next_edges:
+                if next_node is None or next_node.topological_nr < min_topo_nr:
+                    continue
+                dependencies[next_node] = dependencies.get(next_node, 0) + 1
+                if next_node not in seen:
+                    seen.add(next_node)
+                    stack.append(next_node)
+
+    def init_to_execute(
+        self, root: Node, outputs: Sequence[Edge], accumulate_grad: bool, min_topo_nr: int
+    ) -> None:
+        """Build ``exec_info``: only nodes on a path from ``root`` to an output edge run."""
+        exec_info: dict[Node, ExecInfo] = {}
+        for output_idx, (node, input_nr) in enumerate(outputs):
+            assert node is not None
+            info = exec_info.get(node)
+            if info is None:
+                info = exec_info[node] = ExecInfo()
+            if accumulate_grad and isinstance(node, AccumulateGrad):
+                info.needed = True
+            else:
+                info.captures.append((input_nr, output_idx))
+        self.captured_vars = [None] * len(outputs)
+
+        # Iterative post-order DFS: a node is needed if any child should execute.
+        visited = {root}
+        stack: list[tuple[Node, Any]] = [(root, iter(root._next_edges))]
+        while stack:
+            node, children = stack[-1]
+            descended = False
+            for child, _ in children:
+                if child is None or child.topological_nr < min_topo_nr or child in visited:
+                    continue
+                visited.add(child)
+                stack.append((child, iter(child._next_edges)))
+                descended = True
+                break
+            if descended:
+                continue
+            stack.pop()
+            for child, _ in node._next_edges:
+                child_info = exec_info.get(child) if child is not None else None
+                if child_info is not None and child_info.should_execute():
+                    info = exec_info.get(node)
+                    if info is None:
+                        info = exec_info[node] = ExecInfo()
+                    info.needed = True
+                    break
+        self.exec_info = exec_info
+
+    # --------------------------------------------------------------------- completion
+    def task_finished(self) -> None:
+        """Account for one task that ended without producing successors (error or skip)."""
+        with self.lock:
+            self.outstanding_tasks -= 1
+            done = self.outstanding_tasks == 0
+        if done:
+            self.all_tasks_done()
+
+    def all_tasks_done(self) -> None:
+        """Called exactly once, by whoever brought ``outstanding_tasks`` to zero."""
+        self.completed = True
+        if self._done_event is not None:
+            self._done_event.set()
+        if self.owner_queue is not None:
+            self.owner_queue.wake_all()
+        if self._done_future is not None and self.loop is not None:
+            try:
+                self.loop.call_soon_threadsafe(self._resolve_done)
+            except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+                pass
+
+    def _resolve_done(self) -> None:
+        future = self._done_future
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    def wait_completed(self) -> None:
+        event = self._done_event
+        assert event is not None
+        event.wait()
+
+    def set_error(self, exc: BaseException, node: Node | None, device: Device | None,
+                  inputs: Sequence[Tensor | None] | None) -> None:
+        """Fail the graph task with ``exc`` (first error wins); later nodes will not run."""
+        with self.lock:
+            if self.has_error:
+                return
+            self.has_error = True
+            self.error = exc
+        if node is not None and not isinstance(exc, asyncio.CancelledError):
+            _annotate(exc, self, node, device, inputs)
+        if self.loop is not None and self._async_tasks:
+            try:
+                self.loop.call_soon_threadsafe(self._cancel_async_nodes)
+            except RuntimeError:
+                pass
+
+    def _cancel_async_nodes(self) -> None:
+        for task in tuple(self._async_tasks):
+            task.cancel()
+
+    # -------------------------------------------------------------------- async nodes
+    def start_async_node(self, node: Node, inputs: list[Tensor | None]) -> None:
+        """Run an ``async`` node's ``apply`` as a task on the graph task's event loop."""
+        loop = self.loop
+        assert loop is not None
+        loop.call_soon_threadsafe(self._create_async_node_task, node, inputs)
+
+    def _create_async_node_task(self, node: Node, inputs: list[Tensor | None]) -> None:
+        if self.has_error:
+            self.task_finished()
+            return
+        context = self._async_context
+        assert context is not None and self.loop is not None
+        task = self.loop.create_task(self._run_async_node(node, inputs), context=context.copy())
+        self._async_tasks.add(task)
+        task.add_done_callback(self._async_tasks.discard)
+
+    async def _run_async_node(self, node: Node, inputs: list[Tensor | None]) -> None:
+        try:
+            outputs = await node.apply(inputs)  # type: ignore[misc]
+        except BaseException as exc:  # includes CancelledError: the task is over either way
+            self.set_error(exc, node, None, inputs)
+            self.task_finished()
+            if not isinstance(exc, Exception | asyncio.CancelledError):
+                raise
+            return
+        # Validation, hooks and bookkeeping happen on an executor, never on the loop.
+        self.engine.push_continuation(NodeTask(self, node, [], outputs))
+
+    # ------------------------------------------------------------------------ running
+    async def run(self, first: NodeTask, device: Device) -> list[Tensor | None]:
+        """Start on the executors, await completion, then run the post-processing."""
+        loop = self.loop
+        assert loop is not None
+        self._done_future = loop.create_future()
+        self.future_result = loop.create_future()
+        self._prepare_async_context()
+        self.outstanding_tasks = 1
+        self.engine.push(first, device)
+        try:
+            await self._done_future
+        except asyncio.CancelledError:
+            self.set_error(asyncio.CancelledError(), None, None, None)
+            self._cancel_async_nodes()
+            while not self.completed:
+                self._done_future = loop.create_future()
+                if self.completed:
+                    break
+                try:
+                    await self._done_future
+                except asyncio.CancelledError:
+                    continue
+            self.future_result.cancel()
+            raise
+        try:
+            if self.error is not None:
+                raise self.error
+            self._check_not_ready()
+            await self._run_final_callbacks()
+        except BaseException as exc:
+            self.future_result.set_exception(exc)
+            self.future_result.exception()  # mark retrieved: the caller gets it raised
+            raise
+        self.future_result.set_result(self.captured_vars)
+        return self.captured_vars
+
+    def run_sync(self, first: NodeTask, device: Device) -> list[Tensor | None]:
+        """Blocking twin of :meth:`run` for a thread without a running event loop."""
+        from aioautograd.engine.executor import worker_state
+
+        self._done_event = threading.Event()
+        self._prepare_async_context()
+        self.outstanding_tasks = 1
+        executor = worker_state.executor
+        self.engine.push(first, device)
+        if executor is not None:
+            executor.drive(self)  # reentrant: serve our own queue while we wait
+        self._done_event.wait()
+        if self.error is not None:
+            raise self.error
+        self._check_not_ready()
+        token = current_graph_task.set(self)
+        try:
+            while self.final_callbacks:
+                result = self.final_callbacks.pop(0)()
+                if asyncio.iscoroutine(result):
+                    self._await_from_thread(result)
+        finally:
+            current_graph_task.reset(token)
+        return self.captured_vars
+
+    def _await_from_thread(self, coroutine: Any) -> None:
+        loop = self.loop
+        if loop is not None and loop.is_running():
+            asyncio.run_coroutine_threadsafe(coroutine, loop).result()
+        else:
+            asyncio.run(coroutine)
+
+    def _prepare_async_context(self) -> None:
+        context = contextvars.copy_context()
+        context.run(enter_graph_task, self)
+        self._async_context = context
+
+    def _check_not_ready(self) -> None:
+        if self.not_ready:
+            names = ", ".join(sorted({node.name() for node in self.not_ready}))
+            raise RuntimeError(
+                "could not compute gradients for some functions: "
+                f"{names} never received all their inputs"
+            )
+
+    async def _run_final_callbacks(self) -> None:
+        token = current_graph_task.set(self)
+        try:
+            while self.final_callbacks:
+                with self.lock:
+                    callback = self.final_callbacks.pop(0)
+                result = callback()
+                if asyncio.iscoroutine(result):
+                    await result
+        finally:
+            current_graph_task.reset(token)
+
+
+def _annotate(
+    exc: BaseException,
+    graph_task: GraphTask,
+    node: Node,
+    device: Device | None,
+    inputs: Sequence[Tensor | None] | None,
+) -> None:
+    described = ", ".join(
+        "None" if grad is None else describe(grad) for grad in (inputs or ())
+    )
+    where = f" on device {device}" if device is not None else ""
+    exc.add_note(
+        f"Raised by {node.name()} in graph task {graph_task.id}{where}; "
+        f"its gradient inputs were: [{described}]"
+    )
+    trace = node._metadata.get("traceback_") if node._metadata else None
+    if trace:
+        exc.add_note(
+            f"Traceback of forward call that created {node.name()} (anomaly mode):\n"
+            + "".join(trace).rstrip()
+        )

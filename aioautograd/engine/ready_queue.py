@@ -1,0 +1,96 @@
+"""`ReadyQueue` and `NodeTask` (mirrors engine.h).
+
+Why the priority is ``(reentrant depth, sequence_nr)``, highest first: a reentrant backward
+(e.g. a checkpointed segment recomputing inside a node) must finish before its caller can
+continue, so its deeper tasks go first; within a graph task, later-created nodes run first,
+which follows the reverse of the forward order and lets a node's gradient be complete before
+the nodes that feed it run. ``AccumulateGrad`` nodes get the maximum ``sequence_nr`` so
+gradients land in ``.grad`` as soon as they are ready.
+
+Both numbers are packed into one integer key (larger = sooner) so the heap compares ints.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from aioautograd.autograd.node import Node
+    from aioautograd.engine.graph_task import GraphTask
+    from aioautograd.tensor import Tensor
+
+# ``GraphTask.depth_key`` is ``reentrant_depth << DEPTH_SHIFT``; sequence numbers stay below.
+DEPTH_SHIFT = 64
+
+
+class NodeTask:
+    """One node of one graph task, with the gradients it received.
+
+    ``outputs`` is set instead when the task continues an ``async`` node that already ran
+    on the event loop: only validation and dependency bookkeeping remain.
+    """
+
+    __slots__ = ("graph_task", "inputs", "key", "node", "outputs")
+
+    def __init__(
+        self,
+        graph_task: GraphTask,
+        node: Node,
+        inputs: list[Tensor | None],
+        outputs: Sequence[Tensor | None] | None = None,
+    ) -> None:
+        self.graph_task = graph_task
+        self.node = node
+        self.inputs = inputs
+        self.outputs = outputs
+        self.key = graph_task.depth_key | node.sequence_nr
+
+
+class ReadyQueue:
+    """A thread-safe priority queue of `NodeTask`s for one device."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, Any]] = []
+        self._lock = threading.Lock()
+        self._not_empty = threading.Condition(self._lock)
+        self._waiting = 0
+        self._tiebreak = itertools.count()
+
+    def push(self, task: NodeTask) -> None:
+        item = (-task.key, next(self._tiebreak), task)
+        with self._lock:
+            heapq.heappush(self._heap, item)
+            if self._waiting:
+                self._not_empty.notify()
+
+    def pop(self, stop: Callable[[], bool] | None = None) -> NodeTask | None:
+        """Block until a task is available; return ``None`` early once ``stop()`` is true."""
+        with self._lock:
+            heap = self._heap
+            while not heap:
+                if stop is not None and stop():
+                    return None
+                self._waiting += 1
+                self._not_empty.wait()
+                self._waiting -= 1
+            task: NodeTask = heapq.heappop(heap)[2]
+            return task
+
+    def top_key(self) -> int | None:
+        """The key of the next task to pop, or ``None`` (an unlocked peek: a hint only)."""
+        heap = self._heap
+        try:
+            return -heap[0][0]
+        except IndexError:
+            return None
+
+    def wake_all(self) -> None:
+        with self._lock:
+            self._not_empty.notify_all()
+
+    def __len__(self) -> int:
+        return len(self._heap)

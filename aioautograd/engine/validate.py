@@ -1,0 +1,81 @@
+"""`validate_outputs`: check the gradients a node returned against its consumers' metadata.
+
+This is the one place broadcasting is undone: a gradient whose shape broadcasts to the
+expected shape is summed down to it (tinygrad's central reduction), so binary ops return
+gradients at the broadcast shape and never repeat an ``unbroadcast`` of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from aioautograd.tensor import Tensor
+
+if TYPE_CHECKING:
+    from aioautograd._typing import Shape
+    from aioautograd.autograd.node import Edge
+
+
+def is_expandable_to(shape: Shape, desired: Shape) -> bool:
+    """Whether ``shape`` broadcasts to ``desired`` (so ``desired`` can be summed to ``shape``)."""
+    ndim = len(shape)
+    target_ndim = len(desired)
+    if ndim > target_ndim:
+        return False
+    for i in range(1, ndim + 1):
+        size = shape[-i]
+        if size != 1 and size != desired[-i]:
+            return False
+    return True
+
+
+def validate_outputs(
+    edges: Sequence[Edge], grads: Sequence[Tensor | None], node_name: str
+) -> list[Tensor | None]:
+    """Return ``grads`` checked against the input metadata of the nodes they flow into.
+
+    Shapes that broadcast to the expected shape are reduced with ``sum_to_size``; floating
+    dtypes are cast; anything else raises ``RuntimeError`` naming the node and the index.
+    """
+    if len(grads) != len(edges):
+        raise RuntimeError(
+            f"invalid number of gradients returned by {node_name} - expected "
+            f"{len(edges)}, but got {len(grads)}"
+        )
+    result: list[Tensor | None] = list(grads)
+    for i, (next_node, input_nr) in enumerate(edges):
+        grad = result[i]
+        if next_node is None or grad is None:
+            continue
+        if not isinstance(grad, Tensor):
+            raise TypeError(
+                f"Function {node_name} returned an invalid gradient at index {i} - expected "
+                f"a Tensor or None, got {type(grad).__name__}"
+            )
+        shape, dtype, device = next_node._input_metadata[input_nr]
+        data = grad.data
+        if data.shape != shape:
+            if not is_expandable_to(shape, data.shape):
+                raise RuntimeError(
+                    f"Function {node_name} returned an invalid gradient at index {i} - got "
+                    f"{list(data.shape)} but expected shape compatible with {list(shape)}"
+                )
+            grad = reduction.sum_to_size(grad, shape)
+        if grad.device is not device:
+            raise RuntimeError(
+                f"Function {node_name} returned an invalid gradient at index {i} - expected "
+                f"device {device} but got {grad.device}"
+            )
+        if grad.data.dtype != dtype:
+            if grad.data.dtype.kind not in "fc":
+                raise RuntimeError(
+                    f"Function {node_name} returned an invalid gradient at index {i} - expected "
+                    f"a floating point gradient of dtype {dtype} but got {grad.data.dtype}"
+                )
+            grad = grad.to(dtype)
+        result[i] = grad
+    return result
+
+
+from aioautograd.ops import reduction  # noqa: E402

@@ -1,0 +1,277 @@
+"""Custom differentiable functions: `Function`, `FunctionCtx` and `once_differentiable`.
+
+As in PyTorch, each ``Function`` subclass gets a backward node class (``<Name>Backward``, or
+``<Name>Backward0`` for the built-in ops) whose instances double as the ``ctx`` passed to
+``forward`` and ``backward``. ``backward`` may be ``async def``: the engine then awaits it on
+the event loop while the executors keep running other nodes.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+from aioautograd.anomaly_mode import _anomaly
+from aioautograd.autograd.node import Edge, Error, Grads, Node
+from aioautograd.autograd.saved import SavedTensor, second_backward_error
+from aioautograd.grad_mode import _grad_enabled
+from aioautograd.tensor import Tensor
+
+
+class FunctionCtx:
+    """The ``ctx`` of a ``Function``: what ``forward`` leaves for ``backward``."""
+
+    # Class-level defaults keep the no-grad path free of per-call set-up.
+    to_save: tuple[Any, ...] = ()
+    dirty_tensors: tuple[Tensor, ...] = ()
+    non_differentiable: tuple[Tensor, ...] = ()
+    materialize_grads: bool = True
+    needs_input_grad: tuple[bool, ...] = ()
+
+    def save_for_backward(self, *tensors: Tensor | None) -> None:
+        """Save tensors for ``backward``; read them back with ``ctx.saved_tensors``.
+
+        Saved tensors are checked against in-place modification when unpacked and freed after
+        backward unless ``retain_graph=True``.
+        """
+        self.to_save = tensors
+
+    def mark_dirty(self, *tensors: Tensor) -> None:
+        """Declare inputs that ``forward`` modified in place (and returns as outputs)."""
+        self.dirty_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors: Tensor) -> None:
+        """Declare outputs that are not differentiable (they will not require grad)."""
+        self.non_differentiable = tensors
+
+    def set_materialize_grads(self, value: bool) -> None:
+        """Whether ``None`` output gradients are passed to ``backward`` as zeros (default)."""
+        self.materialize_grads = value
+
+
+class BackwardCFunction(Node, FunctionCtx):
+    """The node (and ``ctx``) of one application of a ``Function``."""
+
+    _forward_cls: ClassVar[type[Function]]
+    _saved: tuple[SavedTensor | None, ...] | None = ()
+    _released: bool = False
+
+    @property
+    def saved_tensors(self) -> tuple[Tensor | None, ...]:
+        saved = self._saved
+        if saved is None:
+            raise second_backward_error()
+        return tuple(None if s is None else s.unpack(self) for s in saved)
+
+    def apply(self, grads: Grads) -> Sequence[Tensor | None]:
+        if self.materialize_grads:
+            for i, grad in enumerate(grads):
+                if grad is None:
+                    shape, dtype, device = self._input_metadata[i]
+                    grads[i] = Tensor(device.xp.zeros(shape, dtype), device)
+        result = self._forward_cls.backward(self, *grads)
+        return _check_gradient_count(self, result)
+
+    def release_variables(self) -> None:
+        self._saved = None
+
+    def _save_variables(self, outputs: tuple[Any, ...]) -> None:
+        saved: list[SavedTensor | None] = []
+        for tensor in self.to_save:
+            if tensor is None:
+                saved.append(None)
+            elif not isinstance(tensor, Tensor):
+                raise TypeError(
+                    "save_for_backward can only save tensors, but argument "
+                    f"{len(saved)} is of type {type(tensor).__name__}"
+                )
+            else:
+                is_output = any(tensor is out for out in outputs)
+                saved.append(SavedTensor(tensor, is_output))
+        self._saved = tuple(saved)
+        self.to_save = ()
+
+
+class AsyncBackwardCFunction(BackwardCFunction):
+    """Node of a ``Function`` whose ``backward`` is ``async def``: awaited on the event loop."""
+
+    is_async = True
+
+    async def apply(self, grads: Grads) -> Sequence[Tensor | None]:  # type: ignore[override]
+        if self.materialize_grads:
+            for i, grad in enumerate(grads):
+                if grad is None:
+                    shape, dtype, device = self._input_metadata[i]
+                    grads[i] = Tensor(device.xp.zeros(shape, dtype), device)
+        result = await self._forward_cls.backward(self, *grads)
+        return _check_gradient_count(self, result)
+
+
+def _check_gradient_count(node: BackwardCFunction, result: Any) -> Sequence[Tensor | None]:
+    if not isinstance(result, tuple):
+        result = (result,)
+    expected = len(node._next_edges)
+    if len(result) != expected:
+        if len(result) > expected and all(r is None for r in result[expected:]):
+            return result[:expected]  # type: ignore[no-any-return]
+        raise RuntimeError(
+            f"function {node.name()} returned an incorrect number of gradients "
+            f"(expected {expected}, got {len(result)})"
+        )
+    return result  # type: ignore[no-any-return]
+
+
+class Function:
+    """Base class for differentiable operations with a custom backward.
+
+    Subclasses define static ``forward(ctx, *args)`` and ``backward(ctx, *grad_outputs)``
+    (plain or ``async def``) and are called through ``apply``::
+
+        class Square(Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.save_for_backward(x)
+                return x * x            # tensor ops inside forward are not recorded
+
+            @staticmethod
+            def backward(ctx, grad):
+                (x,) = ctx.saved_tensors
+                return 2 * x * grad
+
+        y = Square.apply(x)
+
+    ``backward`` returns one gradient (or ``None``) per ``forward`` argument.
+    """
+
+    _backward_cls: ClassVar[type[BackwardCFunction]]
+    # Built-in ops name their nodes like PyTorch's generated ones: ``MulBackward0``.
+    _node_suffix: ClassVar[str] = "Backward"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        base = (
+            AsyncBackwardCFunction
+            if inspect.iscoroutinefunction(inspect.unwrap(cls.backward))
+            else BackwardCFunction
+        )
+        cls._backward_cls = type(cls.__name__ + cls._node_suffix, (base,), {"_forward_cls": cls})
+
+    @staticmethod
+    def forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("Function subclasses must implement forward(ctx, ...)")
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Any) -> Any:
+        raise NotImplementedError("Function subclasses must implement backward(ctx, ...)")
+
+    @classmethod
+    def apply(cls, *args: Any, **kwargs: Any) -> Any:
+        """Run ``forward`` and, when grad mode is on and an input requires grad, record a node."""
+        if _grad_enabled.get():
+            for arg in args:
+                if isinstance(arg, Tensor) and arg._requires_grad:
+                    return _apply_with_grad(cls, args, kwargs)
+        ctx = FunctionCtx()
+        outputs = cls.forward(ctx, *args, **kwargs)
+        for tensor in ctx.dirty_tensors:
+            tensor._bump_version()
+        return outputs
+
+
+def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    node = cls._backward_cls.__new__(cls._backward_cls)
+    edges: list[Edge] = []
+    needs: list[bool] = []
+    for arg in args:
+        if isinstance(arg, Tensor) and arg._requires_grad:
+            edges.append(arg._gradient_edge())
+            needs.append(True)
+        else:
+            edges.append((None, 0))
+            needs.append(False)
+    Node.__init__(node, tuple(edges))
+    node.needs_input_grad = tuple(needs)
+
+    token = _grad_enabled.set(False)
+    try:
+        raw = cls.forward(node, *args, **kwargs)
+    finally:
+        _grad_enabled.reset(token)
+
+    is_tuple = isinstance(raw, tuple)
+    outputs = raw if is_tuple else (raw,)
+    dirty = node.dirty_tensors
+    non_diff = node.non_differentiable
+    for output_nr, out in enumerate(outputs):
+        if not isinstance(out, Tensor):
+            continue
+        if dirty and any(out is d for d in dirty):
+            check_inplace(out)
+            out._bump_version()
+        differentiable = out.data.dtype.kind in "fc" and not any(out is n for n in non_diff)
+        node._input_metadata.append((out.data.shape, out.data.dtype, out.device))
+        if differentiable:
+            out.grad_fn = node
+            out._output_nr = output_nr
+            out._requires_grad = True
+    mode = _anomaly.get()
+    if mode.enabled:
+        node.metadata["traceback_"] = traceback.format_stack()[:-2]
+    if node.to_save:
+        node._save_variables(outputs)
+    return raw
+
+
+def check_inplace(tensor: Tensor) -> None:
+    """Raise PyTorch's error for an in-place op that autograd cannot record."""
+    if tensor.grad_fn is None and tensor._requires_grad:
+        raise RuntimeError(
+            "a leaf Variable that requires grad is being used in an in-place operation. "
+            "Do it under `with aioautograd.no_grad():` (as optimizers do) or clone() it first."
+        )
+    if tensor._base is not None and tensor._base._requires_grad:
+        raise RuntimeError(
+            "in-place operations on views of tensors that require grad are not supported "
+            "by aioautograd; use the out-of-place operation (or clone() the view first)."
+        )
+
+
+def once_differentiable(
+    backward: Callable[..., Any],
+) -> Callable[..., Any]:
+    """Decorate a ``Function.backward`` that cannot itself be differentiated.
+
+    It runs with grad disabled; under ``create_graph=True`` its results are attached to an
+    ``Error`` node, so a second differentiation fails with a clear message instead of
+    silently returning wrong gradients.
+    """
+
+    @functools.wraps(backward)
+    def wrapper(ctx: BackwardCFunction, *grads: Any) -> Any:
+        token = _grad_enabled.set(False)
+        try:
+            result = backward(ctx, *grads)
+        finally:
+            _grad_enabled.reset(token)
+        if not _grad_enabled.get():
+            return result
+        requires = [g for g in grads if isinstance(g, Tensor) and g._requires_grad]
+        if not requires:
+            return result
+        error = Error(
+            "trying to differentiate twice a function that was marked with "
+            "@once_differentiable",
+            tuple(g._gradient_edge() for g in requires),
+        )
+        outputs = result if isinstance(result, tuple) else (result,)
+        for out in outputs:
+            if isinstance(out, Tensor) and out.data.dtype.kind in "fc":
+                out.grad_fn = error
+                out._output_nr = error._add_input_metadata(out)
+                out._requires_grad = True
+        return result
+
+    return wrapper

@@ -1,0 +1,5 @@
+"""Neural-network building blocks."""
+
+from aioautograd.nn import functional
+
+__all__ = ["functional"]

@@ -1,0 +1,1 @@
+"""Built-in differentiable operations, one family per module (forward and backward adjacent)."""

@@ -1,0 +1,60 @@
+"""Shared plumbing for the built-in ops: the `Op` base and operand handling."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from aioautograd.devices.device import Device
+from aioautograd.function import Function
+from aioautograd.tensor import Tensor
+
+_ndarray = np.ndarray
+
+
+class Op(Function):
+    """Base of the built-in ops: their nodes are named ``<Op>Backward0`` as in PyTorch."""
+
+    _node_suffix = "Backward0"
+
+
+def wrap(result: Any, device: Device) -> Tensor:
+    """A tensor holding ``result``; NumPy returns scalars for 0-d results, make them arrays."""
+    if type(result) is not _ndarray and device.type == "cpu":
+        result = np.asarray(result)
+    return Tensor(result, device)
+
+
+def binary_operands(a: Any, b: Any) -> tuple[Any, Any, Device]:
+    """The arrays (or Python scalars) behind ``a`` and ``b`` and the device they share."""
+    if isinstance(a, Tensor):
+        if isinstance(b, Tensor):
+            if a.device is not b.device:
+                raise RuntimeError(
+                    "Expected all tensors to be on the same device, but found at least two "
+                    f"devices, {a.device} and {b.device}! Move one with .to(device)."
+                )
+            return a.data, b.data, a.device
+        return a.data, _scalar(b, a.device), a.device
+    if isinstance(b, Tensor):
+        return _scalar(a, b.device), b.data, b.device
+    raise TypeError(f"expected at least one Tensor operand, got {type(a).__name__} and "
+                    f"{type(b).__name__}")
+
+
+def _scalar(value: Any, device: Device) -> Any:
+    if isinstance(value, (int, float, bool, complex)):
+        return value
+    # Arrays and NumPy scalars: keep them on the tensor's device.
+    return device.xp.asarray(value)
+
+
+def as_tensor_like(value: Any, like: Tensor) -> Tensor:
+    """``value`` as a tensor on ``like``'s device (Python scalars keep ``like``'s dtype)."""
+    if isinstance(value, Tensor):
+        return value
+    xp = like.xp
+    if isinstance(value, (int, float, bool)):
+        return Tensor(xp.asarray(value, dtype=like.dtype), like.device)
+    return Tensor(xp.asarray(value), like.device)

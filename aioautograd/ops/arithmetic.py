@@ -1,0 +1,242 @@
+"""Elementwise binary arithmetic: ``+ - * / **``, ``neg``, ``maximum``, ``minimum``, ``where``.
+
+Backward formulas return gradients at the broadcast shape; ``validate_outputs`` sums them
+down to each input's shape. Every formula is written with tensor ops, so it is itself
+differentiable (``create_graph=True``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aioautograd.function import FunctionCtx
+from aioautograd.ops._util import Op, binary_operands, wrap
+from aioautograd.tensor import Tensor
+
+
+class Add(Op):
+    @staticmethod
+    def forward(ctx: FunctionCtx, a: Any, b: Any) -> Tensor:
+        a_data, b_data, device = binary_operands(a, b)
+        return wrap(device.xp.add(a_data, b_data), device)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        needs = ctx.needs_input_grad
+        return (grad if needs[0] else None, grad if needs[1] else None)
+
+
+class Sub(Op):
+    @staticmethod
+    def forward(ctx: FunctionCtx, a: Any, b: Any) -> Tensor:
+        a_data, b_data, device = binary_operands(a, b)
+        return wrap(device.xp.subtract(a_data, b_data), device)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        needs = ctx.needs_input_grad
+        return (grad if needs[0] else None, -grad if needs[1] else None)
+
+
+class Mul(Op):
+    @staticmethod
+    def forward(ctx: FunctionCtx, a: Any, b: Any) -> Tensor:
+        a_data, b_data, device = binary_operands(a, b)
+        needs = ctx.needs_input_grad
+        if needs:
+            ctx.save_for_backward(
+                a if needs[1] and isinstance(a, Tensor) else None,
+                b if needs[0] and isinstance(b, Tensor) else None,
+            )
+            ctx.scalars = (a, b)
+        return wrap(device.xp.multiply(a_data, b_data), device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        a, b = ctx.saved_tensors
+        scalar_a, scalar_b = ctx.scalars
+        needs = ctx.needs_input_grad
+        grad_a = grad * (b if b is not None else scalar_b) if needs[0] else None
+        grad_b = grad * (a if a is not None else scalar_a) if needs[1] else None
+        return grad_a, grad_b
+
+
+class Div(Op):
+    @staticmethod
+    def forward(ctx: Any, a: Any, b: Any) -> Tensor:
+        a_data, b_data, device = binary_operands(a, b)
+        out = wrap(device.xp.true_divide(a_data, b_data), device)
+        needs = ctx.needs_input_grad
+        if needs:
+            ctx.save_for_backward(
+                b if isinstance(b, Tensor) else None, out if needs[1] else None
+            )
+            ctx.divisor = b
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        b, out = ctx.saved_tensors
+        divisor = b if b is not None else ctx.divisor
+        needs = ctx.needs_input_grad
+        grad_a = grad / divisor if needs[0] else None
+        grad_b = -grad * out / divisor if needs[1] else None
+        return grad_a, grad_b
+
+
+class Pow(Op):
+    @staticmethod
+    def forward(ctx: Any, a: Any, b: Any) -> Tensor:
+        a_data, b_data, device = binary_operands(a, b)
+        out = wrap(device.xp.power(a_data, b_data), device)
+        needs = ctx.needs_input_grad
+        if needs:
+            ctx.save_for_backward(
+                a if isinstance(a, Tensor) else None,
+                b if isinstance(b, Tensor) else None,
+                out if needs[1] else None,
+            )
+            ctx.scalars = (a, b)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        a, b, out = ctx.saved_tensors
+        scalar_a, scalar_b = ctx.scalars
+        needs = ctx.needs_input_grad
+        grad_a = grad_b = None
+        if needs[0]:
+            assert a is not None
+            if b is None:  # scalar exponent
+                grad_a = grad * 0.0 if scalar_b == 0 else grad * (scalar_b * a ** (scalar_b - 1))
+            else:
+                grad_a = where(b == 0, 0.0, grad * b * a ** (b - 1))
+        if needs[1]:
+            assert b is not None and out is not None
+            base = a if a is not None else Tensor(b.xp.asarray(scalar_a, b.dtype), b.device)
+            from aioautograd.ops.unary import log
+
+            mask = (base == 0) & (b >= 0)
+            grad_b = where(mask, 0.0, grad * out * log(base))
+        return grad_a, grad_b
+
+
+class Neg(Op):
+    @staticmethod
+    def forward(ctx: FunctionCtx, a: Tensor) -> Tensor:
+        return wrap(a.xp.negative(a.data), a.device)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> Tensor:
+        return -grad
+
+
+class Maximum(Op):
+    @staticmethod
+    def forward(ctx: FunctionCtx, a: Any, b: Any) -> Tensor:
+        a_data, b_data, device = binary_operands(a, b)
+        ctx.save_for_backward(*(t if isinstance(t, Tensor) else None for t in (a, b)))
+        ctx.operands = (a, b)  # type: ignore[attr-defined]
+        return wrap(device.xp.maximum(a_data, b_data), device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        return _extremum_backward(ctx, grad, larger=True)
+
+
+class Minimum(Op):
+    @staticmethod
+    def forward(ctx: FunctionCtx, a: Any, b: Any) -> Tensor:
+        a_data, b_data, device = binary_operands(a, b)
+        ctx.save_for_backward(*(t if isinstance(t, Tensor) else None for t in (a, b)))
+        ctx.operands = (a, b)  # type: ignore[attr-defined]
+        return wrap(device.xp.minimum(a_data, b_data), device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        return _extremum_backward(ctx, grad, larger=False)
+
+
+def _extremum_backward(
+    ctx: Any, grad: Tensor, larger: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    # PyTorch: the winner gets the gradient; ties split it evenly.
+    saved_a, saved_b = ctx.saved_tensors
+    scalar_a, scalar_b = ctx.operands
+    a = saved_a if saved_a is not None else scalar_a
+    b = saved_b if saved_b is not None else scalar_b
+    a_data = a.data if isinstance(a, Tensor) else a
+    b_data = b.data if isinstance(b, Tensor) else b
+    xp = grad.xp
+    a_wins = Tensor(xp.greater(a_data, b_data) if larger else xp.less(a_data, b_data),
+                    grad.device)
+    tie = Tensor(xp.equal(a_data, b_data), grad.device)
+    half = grad * 0.5
+    needs = ctx.needs_input_grad
+    grad_a = where(tie, half, where(a_wins, grad, 0.0)) if needs[0] else None
+    b_wins = Tensor(xp.logical_not(xp.logical_or(a_wins.data, tie.data)), grad.device)
+    grad_b = where(tie, half, where(b_wins, grad, 0.0)) if needs[1] else None
+    return grad_a, grad_b
+
+
+class Where(Op):
+    @staticmethod
+    def forward(ctx: FunctionCtx, condition: Tensor, a: Any, b: Any) -> Tensor:
+        a_data, b_data, device = binary_operands(a, b)
+        ctx.condition = condition  # type: ignore[attr-defined]
+        return wrap(device.xp.where(condition.data, a_data, b_data), device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor | None, Tensor | None]:
+        condition = ctx.condition
+        needs = ctx.needs_input_grad
+        grad_a = where(condition, grad, 0.0) if needs[1] else None
+        grad_b = where(condition, 0.0, grad) if needs[2] else None
+        return None, grad_a, grad_b
+
+
+def add(a: Any, b: Any) -> Tensor:
+    """``a + b`` with NumPy broadcasting."""
+    return Add.apply(a, b)  # type: ignore[no-any-return]
+
+
+def sub(a: Any, b: Any) -> Tensor:
+    """``a - b`` with NumPy broadcasting."""
+    return Sub.apply(a, b)  # type: ignore[no-any-return]
+
+
+def mul(a: Any, b: Any) -> Tensor:
+    """``a * b`` with NumPy broadcasting."""
+    return Mul.apply(a, b)  # type: ignore[no-any-return]
+
+
+def div(a: Any, b: Any) -> Tensor:
+    """``a / b`` (true division) with NumPy broadcasting."""
+    return Div.apply(a, b)  # type: ignore[no-any-return]
+
+
+def pow(a: Any, b: Any) -> Tensor:  # noqa: A001 (PyTorch's name)
+    """``a ** b`` with NumPy broadcasting."""
+    return Pow.apply(a, b)  # type: ignore[no-any-return]
+
+
+def neg(a: Tensor) -> Tensor:
+    """``-a``."""
+    return Neg.apply(a)  # type: ignore[no-any-return]
+
+
+def maximum(a: Any, b: Any) -> Tensor:
+    """Elementwise maximum; ties split the gradient evenly (as PyTorch)."""
+    return Maximum.apply(a, b)  # type: ignore[no-any-return]
+
+
+def minimum(a: Any, b: Any) -> Tensor:
+    """Elementwise minimum; ties split the gradient evenly (as PyTorch)."""
+    return Minimum.apply(a, b)  # type: ignore[no-any-return]
+
+
+def where(condition: Tensor, a: Any, b: Any) -> Tensor:
+    """``a`` where ``condition`` is true, else ``b`` (broadcasting all three)."""
+    if not isinstance(condition, Tensor):
+        raise TypeError("where: condition must be a boolean Tensor")
+    return Where.apply(condition, a, b)  # type: ignore[no-any-return]

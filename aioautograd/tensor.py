@@ -1,0 +1,726 @@
+"""`Tensor`: an array (NumPy or CuPy) plus the autograd metadata PyTorch users expect.
+
+The operators below are thin: each calls a `Function` in `aioautograd.ops`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from aioautograd._typing import Array, DTypeLike, Shape
+from aioautograd.devices.device import CPU, Device, device as _as_device
+from aioautograd.grad_mode import _grad_enabled
+
+if TYPE_CHECKING:
+    from aioautograd.autograd.hooks import HookDict, RemovableHandle
+    from aioautograd.autograd.node import AccumulateGrad, Node
+
+
+class VersionCounter:
+    """Counts in-place modifications; shared by a tensor and its views (and ``detach()``)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+_accumulator_lock = threading.Lock()
+
+
+def _dtype(dtype: DTypeLike) -> np.dtype[Any] | None:
+    return None if dtype is None else np.dtype(dtype)
+
+
+class Tensor:
+    """A multi-dimensional array that can record the operations applied to it.
+
+    Create tensors with :func:`aioautograd.tensor` and the other factories. ``data`` is the
+    underlying ``numpy.ndarray`` (or ``cupy.ndarray`` on ``cuda`` devices).
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_backward_hooks",
+        "_base",
+        "_grad_accumulator",
+        "_output_nr",
+        "_post_accumulate_grad_hooks",
+        "_requires_grad",
+        "_retains_grad",
+        "_version_counter",
+        "data",
+        "_grad",
+        "device",
+        "grad_fn",
+    )
+
+    data: Array
+    device: Device
+    grad_fn: Node | None
+
+    # Tensors hash by identity (as in PyTorch) even though == is elementwise.
+    __hash__ = object.__hash__
+    # Make NumPy defer to our reflected operators (ndarray + Tensor -> Tensor.__radd__).
+    __array_priority__ = 1000
+
+    def __init__(
+        self, data: Array, device: Device = CPU, requires_grad: bool = False
+    ) -> None:
+        self.data = data
+        self.device = device
+        self._requires_grad = requires_grad
+        self._grad: Tensor | None = None
+        self.grad_fn = None
+        self._output_nr = 0
+        self._version_counter: VersionCounter | None = None
+        self._base: Tensor | None = None
+        self._retains_grad = False
+        self._backward_hooks: HookDict | None = None
+        self._post_accumulate_grad_hooks: HookDict | None = None
+        self._grad_accumulator: Any = None
+
+    # ----------------------------------------------------------------- construction helpers
+    def _new(self, data: Array) -> Tensor:
+        """A new tensor on this tensor's device holding ``data`` (no autograd history)."""
+        return Tensor(data, self.device)
+
+    def _view_of(self, data: Array) -> Tensor:
+        """A tensor holding ``data``, a view of this tensor's data: shares its version counter."""
+        out = Tensor(data, self.device)
+        out._version_counter = self._ensure_version_counter()
+        out._base = self if self._base is None else self._base
+        return out
+
+    def _ensure_version_counter(self) -> VersionCounter:
+        counter = self._version_counter
+        if counter is None:
+            counter = self._version_counter = VersionCounter()
+        return counter
+
+    def _bump_version(self) -> None:
+        self._ensure_version_counter().value += 1
+
+    @property
+    def _version(self) -> int:
+        """The number of in-place modifications seen by this tensor's storage."""
+        counter = self._version_counter
+        return 0 if counter is None else counter.value
+
+    @property
+    def xp(self) -> Any:
+        """The array module of this tensor's device (``numpy`` or ``cupy``)."""
+        return self.device.xp
+
+    # ------------------------------------------------------------------------- attributes
+    @property
+    def shape(self) -> Shape:
+        return self.data.shape  # type: ignore[no-any-return]
+
+    def size(self, dim: int | None = None) -> Any:
+        """The shape, or the length of dimension ``dim`` (PyTorch's ``Tensor.size``)."""
+        return self.data.shape if dim is None else self.data.shape[dim]
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self.data.dtype  # type: ignore[no-any-return]
+
+    @property
+    def ndim(self) -> int:
+        return self.data.ndim  # type: ignore[no-any-return]
+
+    def dim(self) -> int:
+        return self.data.ndim  # type: ignore[no-any-return]
+
+    def numel(self) -> int:
+        return int(self.data.size)
+
+    def __len__(self) -> int:
+        if self.data.ndim == 0:
+            raise TypeError("len() of a 0-d tensor")
+        return int(self.data.shape[0])
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def requires_grad(self) -> bool:
+        return self._requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        if self.grad_fn is not None:
+            raise RuntimeError(
+                "you can only change requires_grad flags of leaf variables. If you want to use "
+                "a computed variable in a subgraph that doesn't require differentiation use "
+                "var_no_grad = var.detach()."
+            )
+        if value and self.data.dtype.kind not in "fc":
+            raise RuntimeError(
+                "only Tensors of floating point dtype can require gradients "
+                f"(this tensor is {self.data.dtype}); convert it with .float() or .double() first"
+            )
+        self._requires_grad = bool(value)
+
+    def requires_grad_(self, requires_grad: bool = True) -> Tensor:
+        """Set ``requires_grad`` in place (leaves only) and return ``self``."""
+        self.requires_grad = requires_grad
+        return self
+
+    @property
+    def is_leaf(self) -> bool:
+        """True for tensors created by the user (no ``grad_fn``)."""
+        return self.grad_fn is None
+
+    @property
+    def output_nr(self) -> int:
+        return self._output_nr
+
+    @property
+    def retains_grad(self) -> bool:
+        return self._retains_grad
+
+    @property
+    def T(self) -> Tensor:  # noqa: N802 (PyTorch's name)
+        return shape_ops.permute(self, tuple(range(self.ndim - 1, -1, -1)))
+
+    @property
+    def mT(self) -> Tensor:  # noqa: N802
+        return shape_ops.transpose(self, -2, -1)
+
+    @property
+    def grad(self) -> Tensor | None:
+        """The accumulated gradient (``None`` until a backward pass reaches this leaf)."""
+        return self._grad
+
+    @grad.setter
+    def grad(self, value: Tensor | None) -> None:
+        if value is not None:
+            _check_grad_assignment(self, value)
+        self._grad = value
+
+    # ---------------------------------------------------------------------- graph access
+    def _gradient_edge(self) -> tuple[Node, int]:
+        """The (node, input_nr) through which gradient flows into this tensor."""
+        if self.grad_fn is not None:
+            return self.grad_fn, self._output_nr
+        return self._get_grad_accumulator(), 0
+
+    def _get_grad_accumulator(self) -> AccumulateGrad:
+        # The leaf holds its accumulator weakly (as PyTorch does); the graph holds it strongly.
+        ref = self._grad_accumulator
+        acc = ref() if ref is not None else None
+        if acc is not None:
+            return acc  # type: ignore[no-any-return]
+        from aioautograd.autograd.node import AccumulateGrad
+
+        with _accumulator_lock:
+            ref = self._grad_accumulator
+            acc = ref() if ref is not None else None
+            if acc is None:
+                import weakref
+
+                acc = AccumulateGrad(self)
+                self._grad_accumulator = weakref.ref(acc)
+        return acc
+
+    def detach(self) -> Tensor:
+        """A new tensor sharing this tensor's data (and version counter), without history."""
+        out = Tensor(self.data, self.device)
+        out._version_counter = self._ensure_version_counter()
+        return out
+
+    def detach_(self) -> Tensor:
+        """Detach this tensor from the graph in place and make it a leaf."""
+        if self._base is not None and self.grad_fn is not None:
+            raise RuntimeError(
+                "Can't detach views in-place. Use detach() instead: it returns a new tensor."
+            )
+        self.grad_fn = None
+        self._output_nr = 0
+        self._requires_grad = False
+        return self
+
+    def retain_grad(self) -> None:
+        """Keep ``.grad`` for this non-leaf tensor after backward (a no-op on leaves)."""
+        if not self._requires_grad:
+            raise RuntimeError("can't retain_grad on Tensor that has requires_grad=False")
+        if self.grad_fn is None or self._retains_grad:
+            return
+        self.grad_fn._set_retains_grad(self._output_nr, self)
+        self._retains_grad = True
+
+    def register_hook(self, hook: Callable[[Tensor], Tensor | None]) -> RemovableHandle:
+        """Register ``hook(grad) -> Tensor | None`` called with this tensor's gradient.
+
+        The hook may return a replacement gradient. Runs on an executor thread during backward.
+        Returns a handle whose ``remove()`` unregisters it.
+        """
+        from aioautograd.autograd.hooks import HookDict, RemovableHandle
+
+        if not self._requires_grad:
+            raise RuntimeError(
+                "cannot register a hook on a tensor that doesn't require gradient"
+            )
+        if self.grad_fn is not None:
+            return self.grad_fn._register_tensor_pre_hook(self._output_nr, hook)
+        if self._backward_hooks is None:
+            self._backward_hooks = HookDict()
+        return RemovableHandle(self._backward_hooks, hook)
+
+    def register_post_accumulate_grad_hook(
+        self, hook: Callable[[Tensor], None]
+    ) -> RemovableHandle:
+        """Register ``hook(tensor)`` called after gradient is accumulated into ``.grad``.
+
+        Leaf tensors only. The hook returns nothing; it may read or modify ``tensor.grad``.
+        """
+        from aioautograd.autograd.hooks import HookDict, RemovableHandle
+
+        if self.grad_fn is not None:
+            raise RuntimeError(
+                "post accumulate grad hooks cannot be registered on non-leaf tensors"
+            )
+        if not self._requires_grad:
+            raise RuntimeError(
+                "cannot register a hook on a tensor that doesn't require gradient"
+            )
+        if self._post_accumulate_grad_hooks is None:
+            self._post_accumulate_grad_hooks = HookDict()
+        return RemovableHandle(self._post_accumulate_grad_hooks, hook)
+
+    # ------------------------------------------------------------------------- backward
+    async def backward(
+        self,
+        gradient: Tensor | None = None,
+        retain_graph: bool | None = None,
+        create_graph: bool = False,
+        inputs: Tensor | Sequence[Tensor] | None = None,
+    ) -> None:
+        """Accumulate the gradient of this tensor into the ``.grad`` of graph leaves.
+
+        A coroutine: ``await loss.backward()``. See :func:`aioautograd.backward`.
+        """
+        from aioautograd.engine.api import backward
+
+        await backward(self, gradient, retain_graph, create_graph, inputs=inputs)
+
+    def backward_sync(
+        self,
+        gradient: Tensor | None = None,
+        retain_graph: bool | None = None,
+        create_graph: bool = False,
+        inputs: Tensor | Sequence[Tensor] | None = None,
+    ) -> None:
+        """Blocking twin of :meth:`backward` for code without a running event loop."""
+        from aioautograd.engine.api import backward_sync
+
+        backward_sync(self, gradient, retain_graph, create_graph, inputs=inputs)
+
+    # ------------------------------------------------------------------- conversions
+    def numpy(self) -> np.ndarray[Any, Any]:
+        """The data as a NumPy array (shares memory on CPU)."""
+        if self._requires_grad:
+            raise RuntimeError(
+                "Can't call numpy() on Tensor that requires grad. "
+                "Use tensor.detach().numpy() instead."
+            )
+        if self.device.type != "cpu":
+            raise TypeError(
+                f"can't convert {self.device} device type tensor to numpy. "
+                "Use Tensor.cpu() to copy the tensor to host memory first."
+            )
+        return self.data  # type: ignore[no-any-return]
+
+    def tolist(self) -> Any:
+        return self.detach().cpu().data.tolist()
+
+    def item(self) -> Any:
+        """The value of a one-element tensor as a Python number."""
+        if self.data.size != 1:
+            raise RuntimeError(
+                f"a Tensor with {self.data.size} elements cannot be converted to Scalar"
+            )
+        return self.data.item()
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
+    def __bool__(self) -> bool:
+        if self.data.size != 1:
+            raise RuntimeError(
+                f"Boolean value of Tensor with {self.data.size} elements is ambiguous"
+            )
+        return bool(self.data.item())
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
+        array = self.numpy()
+        return array if dtype is None else array.astype(dtype, copy=False)
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.data.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.data.__dlpack_device__()  # type: ignore[no-any-return]
+
+    def to(self, *args: Any, **kwargs: Any) -> Tensor:
+        """``to(device)``, ``to(dtype)`` or ``to(device, dtype)``: differentiable copy/cast."""
+        target_device: Device | None = None
+        target_dtype: np.dtype[Any] | None = None
+        for value in (*args, kwargs.get("device"), kwargs.get("dtype")):
+            if value is None:
+                continue
+            if isinstance(value, Device) or (
+                isinstance(value, str) and value.split(":")[0] in ("cpu", "cuda")
+            ):
+                target_device = _as_device(value)
+            else:
+                target_dtype = np.dtype(value)
+        out = self
+        if target_dtype is not None and target_dtype != self.dtype:
+            out = unary.cast(out, target_dtype)
+        if target_device is not None and target_device is not self.device:
+            out = unary.to_device(out, target_device)
+        return out
+
+    def cpu(self) -> Tensor:
+        return self.to(CPU)
+
+    def cuda(self, index: int | None = None) -> Tensor:
+        return self.to(_as_device("cuda" if index is None else f"cuda:{index}"))
+
+    def type_as(self, other: Tensor) -> Tensor:
+        return self.to(other.dtype)
+
+    def float(self) -> Tensor:
+        return self.to(np.float32)
+
+    def double(self) -> Tensor:
+        return self.to(np.float64)
+
+    def half(self) -> Tensor:
+        return self.to(np.float16)
+
+    def long(self) -> Tensor:
+        return self.to(np.int64)
+
+    def int(self) -> Tensor:
+        return self.to(np.int32)
+
+    def bool(self) -> Tensor:
+        return self.to(np.bool_)
+
+    def clone(self) -> Tensor:
+        return unary.clone(self)
+
+    def contiguous(self) -> Tensor:
+        return self
+
+    def __repr__(self) -> str:
+        body = np.array2string(
+            self.detach().cpu().data, separator=", ", prefix="tensor(", threshold=50
+        )
+        extras = []
+        if self.device.type != "cpu":
+            extras.append(f"device='{self.device}'")
+        if self.data.dtype not in (np.float32, np.int64, np.bool_):
+            extras.append(f"dtype={self.data.dtype}")
+        if self.grad_fn is not None:
+            extras.append(f"grad_fn=<{self.grad_fn.name()}>")
+        elif self._requires_grad:
+            extras.append("requires_grad=True")
+        return "tensor(" + ", ".join([body, *extras]) + ")"
+
+    def __iter__(self) -> Iterator[Tensor]:
+        if self.ndim == 0:
+            raise TypeError("iteration over a 0-d tensor")
+        return (self[i] for i in range(self.shape[0]))
+
+    # ---------------------------------------------------------------------- arithmetic
+    def __add__(self, other: Any) -> Tensor:
+        return arithmetic.add(self, other)
+
+    def __radd__(self, other: Any) -> Tensor:
+        return arithmetic.add(other, self)
+
+    def __sub__(self, other: Any) -> Tensor:
+        return arithmetic.sub(self, other)
+
+    def __rsub__(self, other: Any) -> Tensor:
+        return arithmetic.sub(other, self)
+
+    def __mul__(self, other: Any) -> Tensor:
+        return arithmetic.mul(self, other)
+
+    def __rmul__(self, other: Any) -> Tensor:
+        return arithmetic.mul(other, self)
+
+    def __truediv__(self, other: Any) -> Tensor:
+        return arithmetic.div(self, other)
+
+    def __rtruediv__(self, other: Any) -> Tensor:
+        return arithmetic.div(other, self)
+
+    def __pow__(self, other: Any) -> Tensor:
+        return arithmetic.pow(self, other)
+
+    def __rpow__(self, other: Any) -> Tensor:
+        return arithmetic.pow(other, self)
+
+    def __matmul__(self, other: Any) -> Tensor:
+        return linalg.matmul(self, other)
+
+    def __rmatmul__(self, other: Any) -> Tensor:
+        return linalg.matmul(other, self)
+
+    def __neg__(self) -> Tensor:
+        return arithmetic.neg(self)
+
+    def __pos__(self) -> Tensor:
+        return self
+
+    def __abs__(self) -> Tensor:
+        return unary.abs(self)
+
+    def __iadd__(self, other: Any) -> Tensor:
+        return inplace.add_(self, other)
+
+    def __imul__(self, other: Any) -> Tensor:
+        return inplace.mul_(self, other)
+
+    # Comparisons produce boolean tensors that never require grad.
+    def _compare(self, other: Any, op: Callable[[Array, Any], Array]) -> Tensor:
+        other_data = other.data if isinstance(other, Tensor) else other
+        return Tensor(op(self.data, other_data), self.device)
+
+    def __eq__(self, other: Any) -> Tensor:  # type: ignore[override]
+        return self._compare(other, self.xp.equal)
+
+    def __ne__(self, other: Any) -> Tensor:  # type: ignore[override]
+        return self._compare(other, self.xp.not_equal)
+
+    def __lt__(self, other: Any) -> Tensor:
+        return self._compare(other, self.xp.less)
+
+    def __le__(self, other: Any) -> Tensor:
+        return self._compare(other, self.xp.less_equal)
+
+    def __gt__(self, other: Any) -> Tensor:
+        return self._compare(other, self.xp.greater)
+
+    def __ge__(self, other: Any) -> Tensor:
+        return self._compare(other, self.xp.greater_equal)
+
+    def eq(self, other: Any) -> Tensor:
+        return self.__eq__(other)
+
+    def __invert__(self) -> Tensor:
+        return Tensor(self.xp.logical_not(self.data), self.device)
+
+    def __and__(self, other: Any) -> Tensor:
+        return self._compare(other, self.xp.logical_and)
+
+    def __or__(self, other: Any) -> Tensor:
+        return self._compare(other, self.xp.logical_or)
+
+    def add(self, other: Any, alpha: float = 1) -> Tensor:
+        return arithmetic.add(self, other if alpha == 1 else other * alpha)
+
+    def sub(self, other: Any, alpha: float = 1) -> Tensor:
+        return arithmetic.sub(self, other if alpha == 1 else other * alpha)
+
+    def mul(self, other: Any) -> Tensor:
+        return arithmetic.mul(self, other)
+
+    def div(self, other: Any) -> Tensor:
+        return arithmetic.div(self, other)
+
+    def pow(self, exponent: Any) -> Tensor:
+        return arithmetic.pow(self, exponent)
+
+    def neg(self) -> Tensor:
+        return arithmetic.neg(self)
+
+    def matmul(self, other: Tensor) -> Tensor:
+        return linalg.matmul(self, other)
+
+    def maximum(self, other: Any) -> Tensor:
+        return arithmetic.maximum(self, other)
+
+    def minimum(self, other: Any) -> Tensor:
+        return arithmetic.minimum(self, other)
+
+    # --------------------------------------------------------------------------- unary
+    def exp(self) -> Tensor:
+        return unary.exp(self)
+
+    def log(self) -> Tensor:
+        return unary.log(self)
+
+    def sqrt(self) -> Tensor:
+        return unary.sqrt(self)
+
+    def abs(self) -> Tensor:
+        return unary.abs(self)
+
+    def sin(self) -> Tensor:
+        return unary.sin(self)
+
+    def cos(self) -> Tensor:
+        return unary.cos(self)
+
+    def tanh(self) -> Tensor:
+        return unary.tanh(self)
+
+    def sigmoid(self) -> Tensor:
+        return unary.sigmoid(self)
+
+    def relu(self) -> Tensor:
+        return unary.relu(self)
+
+    def clamp(self, min: float | None = None, max: float | None = None) -> Tensor:  # noqa: A002
+        return unary.clamp(self, min, max)
+
+    clip = clamp
+
+    # ----------------------------------------------------------------------- reductions
+    def sum(self, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
+        return reduction.sum(self, dim, keepdim)
+
+    def mean(self, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
+        return reduction.mean(self, dim, keepdim)
+
+    def max(self, dim: int | None = None, keepdim: bool = False) -> Any:
+        return reduction.max(self, dim, keepdim)
+
+    def min(self, dim: int | None = None, keepdim: bool = False) -> Any:
+        return reduction.min(self, dim, keepdim)
+
+    def var(
+        self,
+        dim: int | Sequence[int] | None = None,
+        unbiased: bool | None = None,
+        keepdim: bool = False,
+        *,
+        correction: int | None = None,
+    ) -> Tensor:
+        return reduction.var(self, dim, unbiased, keepdim, correction=correction)
+
+    def logsumexp(self, dim: int | Sequence[int], keepdim: bool = False) -> Tensor:
+        return reduction.logsumexp(self, dim, keepdim)
+
+    def softmax(self, dim: int) -> Tensor:
+        return reduction.softmax(self, dim)
+
+    def log_softmax(self, dim: int) -> Tensor:
+        return reduction.log_softmax(self, dim)
+
+    def argmax(self, dim: int | None = None, keepdim: bool = False) -> Tensor:
+        return reduction.argmax(self, dim, keepdim)
+
+    def argmin(self, dim: int | None = None, keepdim: bool = False) -> Tensor:
+        return reduction.argmin(self, dim, keepdim)
+
+    # ---------------------------------------------------------------------- shape ops
+    def reshape(self, *shape: Any) -> Tensor:
+        return shape_ops.reshape(self, _shape_args(shape))
+
+    def view(self, *shape: Any) -> Tensor:
+        return shape_ops.view(self, _shape_args(shape))
+
+    def transpose(self, dim0: int, dim1: int) -> Tensor:
+        return shape_ops.transpose(self, dim0, dim1)
+
+    def permute(self, *dims: Any) -> Tensor:
+        return shape_ops.permute(self, _shape_args(dims))
+
+    def expand(self, *sizes: Any) -> Tensor:
+        return shape_ops.expand(self, _shape_args(sizes))
+
+    def expand_as(self, other: Tensor) -> Tensor:
+        return shape_ops.expand(self, other.shape)
+
+    def squeeze(self, dim: int | None = None) -> Tensor:
+        return shape_ops.squeeze(self, dim)
+
+    def unsqueeze(self, dim: int) -> Tensor:
+        return shape_ops.unsqueeze(self, dim)
+
+    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> Tensor:
+        return shape_ops.flatten(self, start_dim, end_dim)
+
+    def split(self, split_size_or_sections: int | Sequence[int], dim: int = 0) -> tuple[Tensor, ...]:
+        return shape_ops.split(self, split_size_or_sections, dim)
+
+    def chunk(self, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
+        return shape_ops.chunk(self, chunks, dim)
+
+    # ----------------------------------------------------------------------- indexing
+    def __getitem__(self, index: Any) -> Tensor:
+        return indexing.getitem(self, index)
+
+    def gather(self, dim: int, index: Tensor) -> Tensor:
+        return indexing.gather(self, dim, index)
+
+    def index_select(self, dim: int, index: Tensor) -> Tensor:
+        return indexing.index_select(self, dim, index)
+
+    # ------------------------------------------------------------------------ in-place
+    def add_(self, other: Any, alpha: float = 1) -> Tensor:
+        return inplace.add_(self, other, alpha=alpha)
+
+    def sub_(self, other: Any, alpha: float = 1) -> Tensor:
+        return inplace.add_(self, other, alpha=-alpha)
+
+    def mul_(self, other: Any) -> Tensor:
+        return inplace.mul_(self, other)
+
+    def zero_(self) -> Tensor:
+        return inplace.zero_(self)
+
+    def copy_(self, src: Tensor) -> Tensor:
+        return inplace.copy_(self, src)
+
+
+def _shape_args(args: tuple[Any, ...]) -> tuple[int, ...]:
+    if len(args) == 1 and isinstance(args[0], (tuple, list)):
+        return tuple(args[0])
+    return tuple(args)
+
+
+def _check_grad_assignment(tensor: Tensor, grad: Any) -> None:
+    if not isinstance(grad, Tensor):
+        raise TypeError(f"assigned grad expected to be a Tensor or None, got {type(grad).__name__}")
+    if grad.shape != tensor.data.shape:
+        raise RuntimeError(
+            f"assigned grad has data of a different size: {grad.shape} vs {tensor.data.shape}"
+        )
+    if grad.dtype != tensor.data.dtype:
+        raise RuntimeError(
+            f"assigned grad has data of a different type: {grad.dtype} vs {tensor.data.dtype}"
+        )
+    if grad.device is not tensor.device:
+        raise RuntimeError(
+            f"assigned grad has data located on a different device: {grad.device} vs "
+            f"{tensor.device}"
+        )
+
+
+# The ops import Tensor; import them after the class exists.
+from aioautograd.ops import (  # noqa: E402
+    arithmetic,
+    indexing,
+    inplace,
+    linalg,
+    reduction,
+    unary,
+)
+from aioautograd.ops import shape as shape_ops  # noqa: E402

@@ -1,0 +1,45 @@
+"""Shared fixtures: devices to parametrize over and the optional PyTorch oracle."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aioautograd as ag
+
+
+def _devices() -> list[Any]:
+    devices: list[Any] = ["cpu"]
+    try:
+        from aioautograd.devices import cuda
+
+        has_gpu = cuda.is_available()
+    except Exception:
+        has_gpu = False
+    devices.append(
+        pytest.param(
+            "cuda:0",
+            marks=pytest.mark.skipif(not has_gpu, reason="CuPy with a visible GPU is required"),
+        )
+    )
+    return devices
+
+
+@pytest.fixture(params=_devices())
+def device(request: pytest.FixtureRequest) -> str:
+    """Each device a test should run on: ``cpu`` always, ``cuda:0`` when CuPy sees a GPU."""
+    return str(request.param)
+
+
+@pytest.fixture
+def torch() -> Any:
+    """PyTorch as an oracle (``pip install torch==2.13.0``); tests using it skip without it."""
+    return pytest.importorskip("torch")
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    ag.manual_seed(0)
+    np.random.seed(0)
