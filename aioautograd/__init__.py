@@ -1,1 +1,158 @@
+"""aioautograd: reverse-mode autograd whose engine is native to asyncio.
 
+``await loss.backward()`` runs the backward pass on per-device executor threads while the
+event loop keeps serving; many graphs may backpropagate at once on one engine.
+"""
+
+# The tensor module must load first: the ops it imports at its end import it back.
+from aioautograd.tensor import Tensor  # isort: skip
+
+import numpy as _np
+
+from aioautograd import nn
+from aioautograd.anomaly_mode import (
+    detect_anomaly,
+    is_anomaly_check_nan_enabled,
+    is_anomaly_enabled,
+    set_detect_anomaly,
+)
+from aioautograd.autograd.hooks import RemovableHandle
+from aioautograd.autograd.node import AccumulateGrad, GraphRoot, Node
+from aioautograd.devices.device import Device, device
+from aioautograd.engine.api import backward, backward_sync, grad, grad_sync
+from aioautograd.engine.engine import Engine, get_default_engine, queue_callback
+from aioautograd.factories import (
+    arange,
+    as_tensor,
+    empty,
+    from_dlpack,
+    from_numpy,
+    full,
+    full_like,
+    manual_seed,
+    ones,
+    ones_like,
+    rand,
+    rand_like,
+    randint,
+    randn,
+    randn_like,
+    tensor,
+    zeros,
+    zeros_like,
+)
+from aioautograd.function import Function, FunctionCtx, once_differentiable
+from aioautograd.grad_mode import (
+    enable_grad,
+    inference_mode,
+    is_grad_enabled,
+    no_grad,
+    set_grad_enabled,
+)
+from aioautograd.gradcheck import GradcheckError, gradcheck, gradgradcheck
+from aioautograd.ops.arithmetic import add, div, maximum, minimum, mul, neg, pow, sub, where
+from aioautograd.ops.linalg import matmul
+from aioautograd.ops.reduction import (
+    mean,
+    sum,
+)
+from aioautograd.ops.shape import (
+    expand,
+    permute,
+    reshape,
+    squeeze,
+    transpose,
+    unsqueeze,
+)
+from aioautograd.ops.unary import (
+    exp,
+)
+
+grad_fn = Node
+
+float16 = _np.dtype("float16")
+float32 = _np.dtype("float32")
+float64 = _np.dtype("float64")
+int32 = _np.dtype("int32")
+int64 = _np.dtype("int64")
+bool_ = _np.dtype("bool")
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccumulateGrad",
+    "Device",
+    "Engine",
+    "Function",
+    "FunctionCtx",
+    "GradcheckError",
+    "GraphRoot",
+    "Node",
+    "RemovableHandle",
+    "Tensor",
+    "__version__",
+    "add",
+    "arange",
+    "as_tensor",
+    "backward",
+    "backward_sync",
+    "bool_",
+    "detect_anomaly",
+    "device",
+    "div",
+    "empty",
+    "enable_grad",
+    "exp",
+    "expand",
+    "float16",
+    "float32",
+    "float64",
+    "from_dlpack",
+    "from_numpy",
+    "full",
+    "full_like",
+    "get_default_engine",
+    "grad",
+    "grad_fn",
+    "grad_sync",
+    "gradcheck",
+    "gradgradcheck",
+    "inference_mode",
+    "int32",
+    "int64",
+    "is_anomaly_check_nan_enabled",
+    "is_anomaly_enabled",
+    "is_grad_enabled",
+    "manual_seed",
+    "matmul",
+    "maximum",
+    "mean",
+    "minimum",
+    "mul",
+    "neg",
+    "nn",
+    "no_grad",
+    "once_differentiable",
+    "ones",
+    "ones_like",
+    "permute",
+    "pow",
+    "queue_callback",
+    "rand",
+    "rand_like",
+    "randint",
+    "randn",
+    "randn_like",
+    "reshape",
+    "set_detect_anomaly",
+    "set_grad_enabled",
+    "squeeze",
+    "sub",
+    "sum",
+    "tensor",
+    "transpose",
+    "unsqueeze",
+    "where",
+    "zeros",
+    "zeros_like",
+]

@@ -117,34 +117,48 @@ def _filled(
     return out
 
 
-def zeros(*size: Any, dtype: DTypeLike = None, device: DeviceLike = None,
-          requires_grad: bool = False) -> Tensor:
+def zeros(
+    *size: Any, dtype: DTypeLike = None, device: DeviceLike = None, requires_grad: bool = False
+) -> Tensor:
     """A tensor of zeros of the given size."""
     return _filled("zeros", size, dtype, device, requires_grad)
 
 
-def ones(*size: Any, dtype: DTypeLike = None, device: DeviceLike = None,
-         requires_grad: bool = False) -> Tensor:
+def ones(
+    *size: Any, dtype: DTypeLike = None, device: DeviceLike = None, requires_grad: bool = False
+) -> Tensor:
     """A tensor of ones of the given size."""
     return _filled("ones", size, dtype, device, requires_grad)
 
 
-def empty(*size: Any, dtype: DTypeLike = None, device: DeviceLike = None,
-          requires_grad: bool = False) -> Tensor:
+def empty(
+    *size: Any, dtype: DTypeLike = None, device: DeviceLike = None, requires_grad: bool = False
+) -> Tensor:
     """An uninitialised tensor of the given size."""
     return _filled("empty", size, dtype, device, requires_grad)
 
 
-def full(size: Sequence[int], fill_value: Any, dtype: DTypeLike = None,
-         device: DeviceLike = None, requires_grad: bool = False) -> Tensor:
+def full(
+    size: Sequence[int],
+    fill_value: Any,
+    dtype: DTypeLike = None,
+    device: DeviceLike = None,
+    requires_grad: bool = False,
+) -> Tensor:
     """A tensor of ``size`` filled with ``fill_value``."""
     if dtype is None:
         dtype = _default_dtype if isinstance(fill_value, float) else np.asarray(fill_value).dtype
     return _make(np.full(tuple(size), fill_value, dtype=np.dtype(dtype)), device, requires_grad)
 
 
-def arange(start: float, end: float | None = None, step: float = 1, dtype: DTypeLike = None,
-           device: DeviceLike = None, requires_grad: bool = False) -> Tensor:
+def arange(
+    start: float,
+    end: float | None = None,
+    step: float = 1,
+    dtype: DTypeLike = None,
+    device: DeviceLike = None,
+    requires_grad: bool = False,
+) -> Tensor:
     """Values from ``start`` to ``end`` (exclusive) by ``step``."""
     if end is None:
         start, end = 0, start
@@ -154,8 +168,9 @@ def arange(start: float, end: float | None = None, step: float = 1, dtype: DType
     return _make(np.arange(start, end, step, dtype=np.dtype(dtype)), device, requires_grad)
 
 
-def randn(*size: Any, dtype: DTypeLike = None, device: DeviceLike = None,
-          requires_grad: bool = False) -> Tensor:
+def randn(
+    *size: Any, dtype: DTypeLike = None, device: DeviceLike = None, requires_grad: bool = False
+) -> Tensor:
     """Samples from the standard normal distribution."""
     target = np.dtype(dtype) if dtype is not None else _default_dtype
     with _rng_lock:
@@ -163,8 +178,9 @@ def randn(*size: Any, dtype: DTypeLike = None, device: DeviceLike = None,
     return _make(data, device, requires_grad)
 
 
-def rand(*size: Any, dtype: DTypeLike = None, device: DeviceLike = None,
-         requires_grad: bool = False) -> Tensor:
+def rand(
+    *size: Any, dtype: DTypeLike = None, device: DeviceLike = None, requires_grad: bool = False
+) -> Tensor:
     """Samples from the uniform distribution on ``[0, 1)``."""
     target = np.dtype(dtype) if dtype is not None else _default_dtype
     with _rng_lock:
@@ -172,8 +188,9 @@ def rand(*size: Any, dtype: DTypeLike = None, device: DeviceLike = None,
     return _make(data, device, requires_grad)
 
 
-def randint(low: int, high: int, size: Sequence[int], dtype: DTypeLike = None,
-            device: DeviceLike = None) -> Tensor:
+def randint(
+    low: int, high: int, size: Sequence[int], dtype: DTypeLike = None, device: DeviceLike = None
+) -> Tensor:
     """Random integers in ``[low, high)``."""
     with _rng_lock:
         data = _rng.integers(low, high, tuple(size)).astype(np.dtype(dtype or np.int64))
@@ -184,31 +201,40 @@ def _like(x: Tensor, dtype: DTypeLike, device: DeviceLike) -> tuple[Any, Any]:
     return (dtype if dtype is not None else x.dtype), (device if device is not None else x.device)
 
 
-def zeros_like(x: Tensor, dtype: DTypeLike = None, device: DeviceLike = None,
-               requires_grad: bool = False) -> Tensor:
+def zeros_like(
+    x: Tensor, dtype: DTypeLike = None, device: DeviceLike = None, requires_grad: bool = False
+) -> Tensor:
     dt, dev = _like(x, dtype, device)
     return zeros(x.shape, dtype=dt, device=dev, requires_grad=requires_grad)
 
 
-def ones_like(x: Tensor, dtype: DTypeLike = None, device: DeviceLike = None,
-              requires_grad: bool = False) -> Tensor:
+def ones_like(
+    x: Tensor, dtype: DTypeLike = None, device: DeviceLike = None, requires_grad: bool = False
+) -> Tensor:
     dt, dev = _like(x, dtype, device)
     return ones(x.shape, dtype=dt, device=dev, requires_grad=requires_grad)
 
 
-def full_like(x: Tensor, fill_value: Any, dtype: DTypeLike = None, device: DeviceLike = None,
-              requires_grad: bool = False) -> Tensor:
+def full_like(
+    x: Tensor,
+    fill_value: Any,
+    dtype: DTypeLike = None,
+    device: DeviceLike = None,
+    requires_grad: bool = False,
+) -> Tensor:
     dt, dev = _like(x, dtype, device)
     return full(x.shape, fill_value, dtype=dt, device=dev, requires_grad=requires_grad)
 
 
-def randn_like(x: Tensor, dtype: DTypeLike = None, device: DeviceLike = None,
-               requires_grad: bool = False) -> Tensor:
+def randn_like(
+    x: Tensor, dtype: DTypeLike = None, device: DeviceLike = None, requires_grad: bool = False
+) -> Tensor:
     dt, dev = _like(x, dtype, device)
     return randn(x.shape, dtype=dt, device=dev, requires_grad=requires_grad)
 
 
-def rand_like(x: Tensor, dtype: DTypeLike = None, device: DeviceLike = None,
-              requires_grad: bool = False) -> Tensor:
+def rand_like(
+    x: Tensor, dtype: DTypeLike = None, device: DeviceLike = None, requires_grad: bool = False
+) -> Tensor:
     dt, dev = _like(x, dtype, device)
     return rand(x.shape, dtype=dt, device=dev, requires_grad=requires_grad)

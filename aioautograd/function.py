@@ -262,8 +262,7 @@ def once_differentiable(
         if not requires:
             return result
         error = Error(
-            "trying to differentiate twice a function that was marked with "
-            "@once_differentiable",
+            "trying to differentiate twice a function that was marked with @once_differentiable",
             tuple(g._gradient_edge() for g in requires),
         )
         outputs = result if isinstance(result, tuple) else (result,)

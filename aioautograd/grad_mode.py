@@ -61,11 +61,11 @@ class _ModeContext:
 class no_grad(_ModeContext):  # noqa: N801 (PyTorch's name)
     """Disable graph recording. Example::
 
-        with no_grad():
-            y = x * 2          # y.requires_grad is False
+    with no_grad():
+        y = x * 2          # y.requires_grad is False
 
-        @no_grad()
-        async def evaluate(model, x): ...
+    @no_grad()
+    async def evaluate(model, x): ...
     """
 
     _value = False

@@ -108,3 +108,90 @@ async def gradcheck(
                     f"numerical:{num}\nanalytical:{ana}"
                 )
     return True
+
+
+async def _first_grads(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    diff: list[int],
+    seeds: list[np.ndarray[Any, Any]],
+    create_graph: bool,
+) -> list[Tensor]:
+    outs = _outputs(fn, args)
+    pairs = [(o, s) for o, s in zip(outs, seeds, strict=True) if o.requires_grad]
+    roots = [o for o, _ in pairs]
+    grad_outputs = [Tensor(o.xp.asarray(s), o.device) for o, s in pairs]
+    targets = [args[i] for i in diff]
+    grads = await autograd_grad(
+        roots,
+        targets,
+        grad_outputs,
+        create_graph=create_graph,
+        allow_unused=True,
+        materialize_grads=True,
+    )
+    return [g for g in grads if g is not None]
+
+
+async def gradgradcheck(
+    fn: Callable[..., Any],
+    inputs: Sequence[Any] | Tensor,
+    *,
+    eps: float = 1e-6,
+    atol: float = 1e-5,
+    rtol: float = 1e-3,
+    raise_exception: bool = True,
+) -> bool:
+    """Check second derivatives: the gradients of ``fn``'s vector-Jacobian product (computed
+    with ``create_graph=True``) against finite differences of that product.
+
+    Use float64 inputs; a coroutine like :func:`gradcheck`.
+    """
+    args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+    diff = [i for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad]
+    if not diff:
+        raise ValueError("gradgradcheck expects an input tensor with requires_grad=True")
+    rng = np.random.default_rng(1234)
+    with no_grad():
+        seeds = [rng.standard_normal(o.shape).astype(o.dtype) for o in _outputs(fn, args)]
+
+    first = await _first_grads(fn, args, diff, seeds, create_graph=True)
+    targets = [args[i] for i in diff]
+    for position, i in enumerate(diff):
+        target = args[i]
+        flat = target.data.reshape(-1)
+        for j, g in enumerate(first):
+            analytical = np.zeros((g.numel(), target.numel()))
+            if g.requires_grad:
+                for row in range(g.numel()):
+                    seed = np.zeros(g.numel(), dtype=g.dtype)
+                    seed[row] = 1
+                    (second,) = await autograd_grad(
+                        g,
+                        [targets[position]],
+                        Tensor(g.xp.asarray(seed.reshape(g.shape))),
+                        retain_graph=True,
+                        allow_unused=True,
+                    )
+                    if second is not None:
+                        analytical[row] = second.detach().cpu().data.astype(np.float64).ravel()
+            numerical = np.zeros_like(analytical)
+            for k in range(flat.size):
+                original = flat[k].item()
+                flat[k] = original + eps
+                plus = await _first_grads(fn, args, diff, seeds, create_graph=False)
+                flat[k] = original - eps
+                minus = await _first_grads(fn, args, diff, seeds, create_graph=False)
+                flat[k] = original
+                numerical[:, k] = (
+                    plus[j].detach().cpu().data.astype(np.float64).ravel()
+                    - minus[j].detach().cpu().data.astype(np.float64).ravel()
+                ) / (2 * eps)
+            if not np.allclose(analytical, numerical, atol=atol, rtol=rtol):
+                if not raise_exception:
+                    return False
+                raise GradcheckError(
+                    f"second-derivative mismatch for gradient {j} with respect to input {i},\n"
+                    f"numerical:{numerical}\nanalytical:{analytical}"
+                )
+    return True

@@ -68,9 +68,7 @@ class Tensor:
     # Make NumPy defer to our reflected operators (ndarray + Tensor -> Tensor.__radd__).
     __array_priority__ = 1000
 
-    def __init__(
-        self, data: Array, device: Device = CPU, requires_grad: bool = False
-    ) -> None:
+    def __init__(self, data: Array, device: Device = CPU, requires_grad: bool = False) -> None:
         self.data = data
         self.device = device
         self._requires_grad = requires_grad
@@ -264,18 +262,14 @@ class Tensor:
         from aioautograd.autograd.hooks import HookDict, RemovableHandle
 
         if not self._requires_grad:
-            raise RuntimeError(
-                "cannot register a hook on a tensor that doesn't require gradient"
-            )
+            raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
         if self.grad_fn is not None:
             return self.grad_fn._register_tensor_pre_hook(self._output_nr, hook)
         if self._backward_hooks is None:
             self._backward_hooks = HookDict()
         return RemovableHandle(self._backward_hooks, hook)
 
-    def register_post_accumulate_grad_hook(
-        self, hook: Callable[[Tensor], None]
-    ) -> RemovableHandle:
+    def register_post_accumulate_grad_hook(self, hook: Callable[[Tensor], None]) -> RemovableHandle:
         """Register ``hook(tensor)`` called after gradient is accumulated into ``.grad``.
 
         Leaf tensors only. The hook returns nothing; it may read or modify ``tensor.grad``.
@@ -287,9 +281,7 @@ class Tensor:
                 "post accumulate grad hooks cannot be registered on non-leaf tensors"
             )
         if not self._requires_grad:
-            raise RuntimeError(
-                "cannot register a hook on a tensor that doesn't require gradient"
-            )
+            raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
         if self._post_accumulate_grad_hooks is None:
             self._post_accumulate_grad_hooks = HookDict()
         return RemovableHandle(self._post_accumulate_grad_hooks, hook)
@@ -657,7 +649,9 @@ class Tensor:
     def flatten(self, start_dim: int = 0, end_dim: int = -1) -> Tensor:
         return shape_ops.flatten(self, start_dim, end_dim)
 
-    def split(self, split_size_or_sections: int | Sequence[int], dim: int = 0) -> tuple[Tensor, ...]:
+    def split(
+        self, split_size_or_sections: int | Sequence[int], dim: int = 0
+    ) -> tuple[Tensor, ...]:
         return shape_ops.split(self, split_size_or_sections, dim)
 
     def chunk(self, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:

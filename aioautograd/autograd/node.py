@@ -122,9 +122,7 @@ class Node:
             self._post_hooks = HookDict()
         return RemovableHandle(self._post_hooks, hook)
 
-    def register_prehook(
-        self, hook: Callable[[tuple[Tensor | None, ...]], Any]
-    ) -> RemovableHandle:
+    def register_prehook(self, hook: Callable[[tuple[Tensor | None, ...]], Any]) -> RemovableHandle:
         """Register ``hook(grad_outputs)`` run before the node; may return replacements."""
         if self._pre_hooks is None:
             self._pre_hooks = HookDict()

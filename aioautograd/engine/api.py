@@ -190,9 +190,7 @@ def _prepare_grad(
     input_tuple = _as_tuple(inputs)
     if not input_tuple:
         raise RuntimeError("grad requires at least one input tensor")
-    grads = (
-        _as_tuple(grad_outputs) if grad_outputs is not None else (None,) * len(output_tuple)
-    )
+    grads = _as_tuple(grad_outputs) if grad_outputs is not None else (None,) * len(output_tuple)
     roots = _root_edges(output_tuple)
     checked = _make_grads(output_tuple, grads)
     keep_graph = create_graph if retain_graph is None else retain_graph
@@ -200,7 +198,9 @@ def _prepare_grad(
 
 
 def _finish_grad(
-    captured: list[Tensor | None], inputs: TensorOrTensors, allow_unused: bool,
+    captured: list[Tensor | None],
+    inputs: TensorOrTensors,
+    allow_unused: bool,
     materialize_grads: bool,
 ) -> tuple[Tensor | None, ...]:
     input_tuple = _as_tuple(inputs)

@@ -133,9 +133,9 @@ class Engine:
         else:
             root = GraphRoot(tuple(roots), checked)
             first = NodeTask(graph_task, root, [])
-        min_topo_nr = min((e[0].topological_nr for e in outputs if e[0]), default=0) if (
-            outputs
-        ) else 0
+        min_topo_nr = (
+            min((e[0].topological_nr for e in outputs if e[0]), default=0) if (outputs) else 0
+        )
         graph_task.compute_dependencies(root, min_topo_nr)
         if outputs is not None:
             graph_task.init_to_execute(root, outputs, accumulate_grad, min_topo_nr)

@@ -101,6 +101,7 @@ class Executor:
         worker_state.depth += 1
         graph_task.owner_queue = self.queue
         try:
+
             def completed() -> bool:
                 return graph_task.completed
 

@@ -190,8 +190,13 @@ class GraphTask:
         assert event is not None
         event.wait()
 
-    def set_error(self, exc: BaseException, node: Node | None, device: Device | None,
-                  inputs: Sequence[Tensor | None] | None) -> None:
+    def set_error(
+        self,
+        exc: BaseException,
+        node: Node | None,
+        device: Device | None,
+        inputs: Sequence[Tensor | None] | None,
+    ) -> None:
         """Fail the graph task with ``exc`` (first error wins); later nodes will not run."""
         with self.lock:
             if self.has_error:
@@ -341,9 +346,7 @@ def _annotate(
     device: Device | None,
     inputs: Sequence[Tensor | None] | None,
 ) -> None:
-    described = ", ".join(
-        "None" if grad is None else describe(grad) for grad in (inputs or ())
-    )
+    described = ", ".join("None" if grad is None else describe(grad) for grad in (inputs or ()))
     where = f" on device {device}" if device is not None else ""
     exc.add_note(
         f"Raised by {node.name()} in graph task {graph_task.id}{where}; "

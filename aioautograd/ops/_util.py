@@ -39,8 +39,9 @@ def binary_operands(a: Any, b: Any) -> tuple[Any, Any, Device]:
         return a.data, _scalar(b, a.device), a.device
     if isinstance(b, Tensor):
         return _scalar(a, b.device), b.data, b.device
-    raise TypeError(f"expected at least one Tensor operand, got {type(a).__name__} and "
-                    f"{type(b).__name__}")
+    raise TypeError(
+        f"expected at least one Tensor operand, got {type(a).__name__} and {type(b).__name__}"
+    )
 
 
 def _scalar(value: Any, device: Device) -> Any:

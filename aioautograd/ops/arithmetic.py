@@ -68,9 +68,7 @@ class Div(Op):
         out = wrap(device.xp.true_divide(a_data, b_data), device)
         needs = ctx.needs_input_grad
         if needs:
-            ctx.save_for_backward(
-                b if isinstance(b, Tensor) else None, out if needs[1] else None
-            )
+            ctx.save_for_backward(b if isinstance(b, Tensor) else None, out if needs[1] else None)
             ctx.divisor = b
         return out
 
@@ -157,9 +155,7 @@ class Minimum(Op):
         return _extremum_backward(ctx, grad, larger=False)
 
 
-def _extremum_backward(
-    ctx: Any, grad: Tensor, larger: bool
-) -> tuple[Tensor | None, Tensor | None]:
+def _extremum_backward(ctx: Any, grad: Tensor, larger: bool) -> tuple[Tensor | None, Tensor | None]:
     # PyTorch: the winner gets the gradient; ties split it evenly.
     saved_a, saved_b = ctx.saved_tensors
     scalar_a, scalar_b = ctx.operands
@@ -168,8 +164,7 @@ def _extremum_backward(
     a_data = a.data if isinstance(a, Tensor) else a
     b_data = b.data if isinstance(b, Tensor) else b
     xp = grad.xp
-    a_wins = Tensor(xp.greater(a_data, b_data) if larger else xp.less(a_data, b_data),
-                    grad.device)
+    a_wins = Tensor(xp.greater(a_data, b_data) if larger else xp.less(a_data, b_data), grad.device)
     tie = Tensor(xp.equal(a_data, b_data), grad.device)
     half = grad * 0.5
     needs = ctx.needs_input_grad
