@@ -237,8 +237,9 @@ def accumulate_grad(variable: Tensor, grad: Tensor) -> None:
 def _exclusively_owned(grad: Tensor) -> bool:
     """True when nobody but the caller references ``grad`` or its array, so it can be kept.
 
-    Two references each: the caller's local variable (or the Tensor's ``data`` slot) and the
-    argument of ``sys.getrefcount``.
+    Expected references to the tensor: ``AccumulateGrad.apply``'s local, the parameters of
+    ``accumulate_grad`` and of this function, and ``sys.getrefcount``'s argument; to the
+    array: the tensor's ``data`` slot, the local ``data`` and ``getrefcount``'s argument.
     """
     data = grad.data
     return (
@@ -246,8 +247,8 @@ def _exclusively_owned(grad: Tensor) -> bool:
         and grad._base is None
         and data.base is None
         and data.flags.writeable
-        and sys.getrefcount(grad) <= 3
-        and sys.getrefcount(data) <= 2
+        and sys.getrefcount(grad) <= 4
+        and sys.getrefcount(data) <= 3
     )
 
 

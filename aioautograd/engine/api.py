@@ -15,9 +15,9 @@ TensorOrTensors = Tensor | Sequence[Tensor]
 def _as_tuple(value: Any) -> tuple[Any, ...]:
     if value is None:
         return ()
-    if isinstance(value, Tensor):
-        return (value,)
-    return tuple(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    return (value,)
 
 
 def _make_grads(
@@ -25,8 +25,8 @@ def _make_grads(
 ) -> list[Tensor | None]:
     if len(grads) != len(outputs):
         raise RuntimeError(
-            f"grad can be implicitly created only for scalar outputs; got {len(grads)} "
-            f"gradients for {len(outputs)} outputs"
+            f"got {len(grads)} gradients for {len(outputs)} outputs: pass one gradient (or "
+            "None) per output"
         )
     result: list[Tensor | None] = []
     for i, (out, grad) in enumerate(zip(outputs, grads, strict=True)):

@@ -105,7 +105,8 @@ def _finish_outputs(
 
 
 def _call_tensor_pre_hooks(node: Node, inputs: Grads) -> Grads:
-    inputs = list(inputs)
+    # The buffer belongs to this task: update it in place (no copy, so AccumulateGrad can
+    # still steal an unshared gradient).
     if node._tensor_pre_hooks:
         for input_nr, hooks in node._tensor_pre_hooks.items():
             for hook in tuple(hooks.values()):

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Literal
 
+from aioautograd._typing import Array
 from aioautograd.devices.device import Device
 from aioautograd.function import FunctionCtx
 from aioautograd.ops._util import Op, wrap
+from aioautograd.ops.arithmetic import where
 from aioautograd.tensor import Tensor
 
 
@@ -60,6 +63,285 @@ class Exp(Op):
         return grad * out
 
 
+class Log(Op):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return wrap(x.xp.log(x.data), x.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return grad / x
+
+
+class Sqrt(Op):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor) -> Tensor:
+        out = wrap(x.xp.sqrt(x.data), x.device)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (out,) = ctx.saved_tensors
+        return grad / (2 * out)
+
+
+class Abs(Op):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return wrap(x.xp.abs(x.data), x.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        # sign(x) is piecewise constant: a constant of the graph (0 at x == 0, as PyTorch).
+        (x,) = ctx.saved_tensors
+        return grad * Tensor(x.xp.sign(x.data), x.device)
+
+
+class Sin(Op):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return wrap(x.xp.sin(x.data), x.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return grad * cos(x)
+
+
+class Cos(Op):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return wrap(x.xp.cos(x.data), x.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return -grad * sin(x)
+
+
+class Tanh(Op):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor) -> Tensor:
+        out = wrap(x.xp.tanh(x.data), x.device)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (out,) = ctx.saved_tensors
+        return grad * (1 - out * out)
+
+
+class Sigmoid(Op):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor) -> Tensor:
+        xp = x.xp
+        data = x.data
+        # 1 / (1 + exp(-x)) overflows exp for very negative x; the two branches never do.
+        e = xp.exp(-xp.abs(data))
+        out = wrap(xp.where(data >= 0, 1 / (1 + e), e / (1 + e)), x.device)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (out,) = ctx.saved_tensors
+        return grad * out * (1 - out)
+
+
+class Relu(Op):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor) -> Tensor:
+        out = wrap(x.xp.maximum(x.data, 0), x.device)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        # PyTorch's threshold_backward: the gradient passes where the output is positive.
+        (out,) = ctx.saved_tensors
+        return where(Tensor(out.data > 0, out.device), grad, 0.0)
+
+
+class Erf(Op):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return wrap(_erf(x.xp, x.data), x.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return grad * (_TWO_OVER_SQRT_PI * exp(-(x * x)))
+
+
+class Gelu(Op):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, approximate: str) -> Tensor:
+        xp, data = x.xp, x.data
+        if approximate == "tanh":
+            inner = _SQRT_2_OVER_PI * (data + _KAPPA * data * data * data)
+            out = 0.5 * data * (1 + xp.tanh(inner))
+        else:
+            out = 0.5 * data * (1 + _erf(xp, data * _SQRT1_2))
+        ctx.save_for_backward(x)
+        ctx.approximate = approximate  # type: ignore[attr-defined]
+        return wrap(out, x.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        (x,) = ctx.saved_tensors
+        if ctx.approximate == "tanh":
+            x_sq = x * x
+            tanh_inner = tanh(_SQRT_2_OVER_PI * (x + _KAPPA * x_sq * x))
+            left_derivative = 0.5 * (1 + tanh_inner)
+            right_derivative = (
+                (0.5 * x)
+                * (1 - tanh_inner * tanh_inner)
+                * (_SQRT_2_OVER_PI * (1 + 3 * _KAPPA * x_sq))
+            )
+            return grad * (left_derivative + right_derivative), None
+        cdf = 0.5 * (1 + erf(x * _SQRT1_2))
+        pdf = _INV_SQRT_2PI * exp(-0.5 * (x * x))
+        return grad * (cdf + x * pdf), None
+
+
+class Clamp(Op):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, low: float | None, high: float | None) -> Tensor:
+        xp = x.xp
+        data = x.data
+        if low is not None:
+            data = xp.maximum(data, low)
+        if high is not None:
+            data = xp.minimum(data, high)
+        ctx.save_for_backward(x)
+        ctx.bounds = (low, high)  # type: ignore[attr-defined]
+        return wrap(data, x.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        # PyTorch: the gradient passes where low <= x <= high, bounds included.
+        (x,) = ctx.saved_tensors
+        low, high = ctx.bounds
+        xp = x.xp
+        inside = None
+        if low is not None:
+            inside = xp.greater_equal(x.data, low)
+        if high is not None:
+            below = xp.less_equal(x.data, high)
+            inside = below if inside is None else xp.logical_and(inside, below)
+        return where(Tensor(inside, x.device), grad, 0.0), None, None
+
+
+# Constants of PyTorch's GELU formulas.
+_SQRT1_2 = math.sqrt(0.5)
+_SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
+_INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
+_TWO_OVER_SQRT_PI = 2 / math.sqrt(math.pi)
+_KAPPA = 0.044715
+
+# W. J. Cody, "Rational Chebyshev approximations for the error function", Math. Comp. 23
+# (1969), as in Netlib SPECFUN's CALERF: erf on |x| <= 0.46875, erfc on (0.46875, 4] and
+# on (4, inf). Relative error below 1e-15 in float64.
+_ERF_A = (
+    3.16112374387056560e00,
+    1.13864154151050156e02,
+    3.77485237685302021e02,
+    3.20937758913846947e03,
+    1.85777706184603153e-1,
+)
+_ERF_B = (
+    2.36012909523441209e01,
+    2.44024637934444173e02,
+    1.28261652607737228e03,
+    2.84423683343917062e03,
+)
+_ERFC_C = (
+    5.64188496988670089e-1,
+    8.88314979438837594e00,
+    6.61191906371416295e01,
+    2.98635138197400131e02,
+    8.81952221241769090e02,
+    1.71204761263407058e03,
+    2.05107837782607147e03,
+    1.23033935479799725e03,
+    2.15311535474403846e-8,
+)
+_ERFC_D = (
+    1.57449261107098347e01,
+    1.17693950891312499e02,
+    5.37181101862009858e02,
+    1.62138957456669019e03,
+    3.29079923573345963e03,
+    4.36261909014324716e03,
+    3.43936767414372164e03,
+    1.23033935480374942e03,
+)
+_ERFC_P = (
+    3.05326634961232344e-1,
+    3.60344899949804439e-1,
+    1.25781726111229246e-1,
+    1.60837851487422766e-2,
+    6.58749161529837803e-4,
+    1.63153871373020978e-2,
+)
+_ERFC_Q = (
+    2.56852019228982242e00,
+    1.87295284992346047e00,
+    5.27905102951428412e-1,
+    6.05183413124413191e-2,
+    2.33520497626869185e-3,
+)
+_INV_SQRT_PI = 1 / math.sqrt(math.pi)
+
+
+def _erf(xp: Any, x: Array) -> Array:
+    """The error function of an array, elementwise (NumPy has none, and SciPy is no dependency).
+
+    All three of Cody's intervals are evaluated on clipped copies of ``|x|`` (so none
+    overflows) and the right one is selected per element.
+    """
+    y = xp.abs(x)
+
+    small = xp.clip(x, -0.46875, 0.46875)
+    z = small * small
+    num, den = _ERF_A[4] * z, z
+    for a, b in zip(_ERF_A[:3], _ERF_B[:3], strict=True):
+        num, den = (num + a) * z, (den + b) * z
+    erf_small = small * (num + _ERF_A[3]) / (den + _ERF_B[3])
+
+    mid = xp.clip(y, 0.46875, 4.0)
+    num, den = _ERFC_C[8] * mid, mid
+    for c, d in zip(_ERFC_C[:7], _ERFC_D[:7], strict=True):
+        num, den = (num + c) * mid, (den + d) * mid
+    erfc_mid = _exp_neg_square(xp, mid) * ((num + _ERFC_C[7]) / (den + _ERFC_D[7]))
+
+    # Past 27 erfc underflows to 0 in float64; clipping keeps 1 / big**2 finite.
+    big = xp.clip(y, 4.0, 27.0)
+    z = 1 / (big * big)
+    num, den = _ERFC_P[5] * z, z
+    for p, q in zip(_ERFC_P[:4], _ERFC_Q[:4], strict=True):
+        num, den = (num + p) * z, (den + q) * z
+    ratio = z * (num + _ERFC_P[4]) / (den + _ERFC_Q[4])
+    erfc_big = _exp_neg_square(xp, big) * ((_INV_SQRT_PI - ratio) / big)
+
+    erf_large = xp.sign(x) * (1 - xp.where(y <= 4.0, erfc_mid, erfc_big))
+    return xp.where(y <= 0.46875, erf_small, erf_large)
+
+
+def _exp_neg_square(xp: Any, y: Array) -> Array:
+    # exp(-y*y) without the rounding error of y*y: split y at a multiple of 1/16.
+    head = xp.trunc(y * 16) / 16
+    return xp.exp(-head * head) * xp.exp(-(y - head) * (y + head))
+
+
 def clone(x: Tensor) -> Tensor:
     """A copy of ``x`` that stays in the graph."""
     return Clone.apply(x)  # type: ignore[no-any-return]
@@ -78,3 +360,78 @@ def to_device(x: Tensor, device: Device) -> Tensor:
 def exp(x: Tensor) -> Tensor:
     """Elementwise ``e ** x``."""
     return Exp.apply(x)  # type: ignore[no-any-return]
+
+
+def log(x: Tensor) -> Tensor:
+    """Elementwise natural logarithm."""
+    return Log.apply(x)  # type: ignore[no-any-return]
+
+
+def sqrt(x: Tensor) -> Tensor:
+    """Elementwise square root."""
+    return Sqrt.apply(x)  # type: ignore[no-any-return]
+
+
+def abs(x: Tensor) -> Tensor:  # noqa: A001 (PyTorch's name)
+    """Elementwise absolute value; the gradient at 0 is 0 (as PyTorch)."""
+    return Abs.apply(x)  # type: ignore[no-any-return]
+
+
+def sin(x: Tensor) -> Tensor:
+    """Elementwise sine."""
+    return Sin.apply(x)  # type: ignore[no-any-return]
+
+
+def cos(x: Tensor) -> Tensor:
+    """Elementwise cosine."""
+    return Cos.apply(x)  # type: ignore[no-any-return]
+
+
+def tanh(x: Tensor) -> Tensor:
+    """Elementwise hyperbolic tangent."""
+    return Tanh.apply(x)  # type: ignore[no-any-return]
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    """Elementwise logistic function ``1 / (1 + exp(-x))``, computed without overflow."""
+    return Sigmoid.apply(x)  # type: ignore[no-any-return]
+
+
+def relu(x: Tensor) -> Tensor:
+    """Elementwise ``max(x, 0)``; the gradient at 0 is 0 (as PyTorch)."""
+    return Relu.apply(x)  # type: ignore[no-any-return]
+
+
+def erf(x: Tensor) -> Tensor:
+    """Elementwise error function (Cody's rational approximation, float64-accurate)."""
+    return Erf.apply(x)  # type: ignore[no-any-return]
+
+
+def gelu(x: Tensor, approximate: Literal["none", "tanh"] = "none") -> Tensor:
+    """Gaussian Error Linear Unit, with PyTorch's formulas.
+
+    Args:
+        x: the input.
+        approximate: ``"none"`` for the exact ``x * Phi(x) = 0.5 * x * (1 + erf(x / sqrt(2)))``,
+            ``"tanh"`` for ``0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x**3)))``.
+
+    Raises:
+        ValueError: for any other ``approximate``.
+    """
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"approximate argument must be either none or tanh, got {approximate!r}")
+    return Gelu.apply(x, approximate)  # type: ignore[no-any-return]
+
+
+def clamp(x: Tensor, min: float | None = None, max: float | None = None) -> Tensor:  # noqa: A002
+    """Clamp every element of ``x`` into ``[min, max]`` (either bound may be ``None``).
+
+    As in PyTorch, the gradient flows where ``min <= x <= max``, bounds included, and is
+    zero elsewhere; when ``min > max`` every element becomes ``max``. NaN stays NaN.
+
+    Raises:
+        ValueError: when both bounds are ``None``.
+    """
+    if min is None and max is None:
+        raise ValueError("clamp: At least one of 'min' or 'max' must not be None")
+    return Clamp.apply(x, min, max)  # type: ignore[no-any-return]

@@ -1,0 +1,532 @@
+"""Benchmark workloads: one `Workload` per figure of SPEC §8, one `Impl` per implementation.
+
+A workload is data: its sizes (``full``, ``quick``, ``tiny``), its repeat counts and the
+implementations that compute the same thing. Each implementation is a factory that builds a
+`Case` for given parameters; the harness in ``run.py`` calls ``case.prepare()`` outside the
+timed region (building the graph for backward-only figures, dropping old gradients) and times
+``case.run()``, a plain function or a coroutine function that returns the loss (or a checksum),
+so that every repeat can be checked for a finite result.
+
+Adding a figure (4 models concurrent vs sequential, event-loop stall, GPU, distributed) is one
+more ``register(Workload(...))`` call; a case may also define ``extras()`` to add fields (e.g. a
+longest stall) to its JSON line.
+
+torch, HIPS autograd and mygrad are imported inside their factories only, so this module loads
+with nothing but NumPy and aioautograd installed; ``Impl.needs`` names the modules an
+implementation imports, and the harness skips it cleanly when one is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import aioautograd as ag
+
+Params = dict[str, Any]
+
+
+class Case:
+    """One implementation of one workload at one size, ready to be timed."""
+
+    # Backward nodes the timed region runs through (ops, not counting AccumulateGrad), for
+    # the ``per_node_us`` field; ``None`` where a per-node figure means nothing (MLP steps).
+    nodes: int | None = None
+
+    def prepare(self) -> None:
+        """Untimed set-up before each repeat (build the graph, drop old gradients)."""
+
+    def run(self) -> float | Awaitable[float]:
+        """The timed region; returns the loss (or a checksum) of this repeat."""
+        raise NotImplementedError
+
+    def extras(self) -> dict[str, Any]:
+        """Extra fields for this case's JSON line."""
+        return {}
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    factory: Callable[[Params], Case]
+    needs: tuple[str, ...] = ()  # importable modules this implementation uses
+
+    def missing(self) -> list[str]:
+        return [name for name in self.needs if importlib.util.find_spec(name) is None]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    description: str
+    sizes: dict[str, Params]  # "full", "quick" and "tiny" (the smoke test's)
+    repeats: dict[str, tuple[int, int]]  # size -> (warm-up, timed repeats)
+    impls: tuple[Impl, ...] = field(default=())
+
+
+REGISTRY: dict[str, Workload] = {}
+
+SUBJECT = "aioautograd"  # the implementation every ratio is taken of
+
+
+def register(workload: Workload) -> Workload:
+    if workload.name in REGISTRY:
+        raise ValueError(f"workload {workload.name!r} registered twice")
+    REGISTRY[workload.name] = workload
+    return workload
+
+
+def tree_sum(terms: list[Any]) -> Any:
+    """Sum of ``terms`` as a balanced tree of ``+``: the branches stay independent."""
+    while len(terms) > 1:
+        paired = [terms[i] + terms[i + 1] for i in range(0, len(terms) - 1, 2)]
+        if len(terms) % 2:
+            paired.append(terms[-1])
+        terms = paired
+    return terms[0]
+
+
+def _seed_array(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------ chain
+# h = h * c, n times, on a 4-element float32 tensor, then h.sum(); only backward is timed.
+
+CHAIN_FACTOR = 1.0001
+
+
+class _AioChain(Case):
+    def __init__(self, params: Params) -> None:
+        self.n = params["n"]
+        self.nodes = self.n + 1
+        self.x = ag.tensor(_seed_array((4,)), requires_grad=True)
+
+    def prepare(self) -> None:
+        self.x.grad = None
+        h = self.x
+        for _ in range(self.n):
+            h = h * CHAIN_FACTOR
+        self.loss = h.sum()
+
+    async def run(self) -> float:
+        await self.loss.backward()
+        return float(self.x.grad.numpy().sum())
+
+
+class _TorchChain(Case):
+    def __init__(self, params: Params) -> None:
+        import torch
+
+        self.n = params["n"]
+        self.nodes = self.n + 1
+        self.x = torch.tensor(_seed_array((4,)), requires_grad=True)
+
+    def prepare(self) -> None:
+        self.x.grad = None
+        h = self.x
+        for _ in range(self.n):
+            h = h * CHAIN_FACTOR
+        self.loss = h.sum()
+
+    def run(self) -> float:
+        self.loss.backward()
+        return float(self.x.grad.sum())
+
+
+class _HipsChain(Case):
+    """HIPS autograd traces forward in ``make_vjp``; calling the vjp is its backward pass."""
+
+    def __init__(self, params: Params) -> None:
+        self.n = params["n"]
+        self.nodes = self.n + 1
+        self.x = _seed_array((4,))
+
+    def prepare(self) -> None:
+        import autograd.numpy as anp
+        from autograd.core import make_vjp
+
+        def f(x: Any) -> Any:
+            h = x
+            for _ in range(self.n):
+                h = h * CHAIN_FACTOR
+            return anp.sum(h)
+
+        self.vjp, _ = make_vjp(f, self.x)
+
+    def run(self) -> float:
+        return float(np.sum(self.vjp(np.float32(1.0))))
+
+
+class _MygradChain(Case):
+    def __init__(self, params: Params) -> None:
+        import mygrad as mg
+
+        self.mg = mg
+        self.n = params["n"]
+        self.nodes = self.n + 1
+        self.x = mg.tensor(_seed_array((4,)))
+
+    def prepare(self) -> None:
+        self.x.null_grad()
+        h = self.x
+        for _ in range(self.n):
+            h = h * CHAIN_FACTOR
+        self.loss = self.mg.sum(h)
+
+    def run(self) -> float:
+        self.loss.backward()
+        return float(np.sum(self.x.grad))
+
+
+register(
+    Workload(
+        name="chain",
+        description="backward of a chain of n tiny ops (h = h * 1.0001 on 4 floats), per node",
+        sizes={"full": {"n": 10_000}, "quick": {"n": 2_000}, "tiny": {"n": 10}},
+        repeats={"full": (3, 30), "quick": (1, 5), "tiny": (0, 1)},
+        impls=(
+            Impl("aioautograd", _AioChain),
+            Impl("torch", _TorchChain, ("torch",)),
+            Impl("autograd", _HipsChain, ("autograd",)),
+            Impl("mygrad", _MygradChain, ("mygrad",)),
+        ),
+    )
+)
+
+
+# -------------------------------------------------------------------------------------- fan
+# x (4 floats) -> branches x * c_i -> balanced tree of adds -> sum; only backward is timed.
+# 2 * branches ops: `branches` muls, `branches - 1` adds, one sum; x's gradient buffer
+# receives `branches` contributions.
+
+
+def _fan_factors(branches: int) -> list[float]:
+    return [1.0 + 1e-4 * i for i in range(branches)]
+
+
+class _AioFan(Case):
+    def __init__(self, params: Params) -> None:
+        self.factors = _fan_factors(params["branches"])
+        self.nodes = 2 * params["branches"]
+        self.x = ag.tensor(_seed_array((4,)), requires_grad=True)
+
+    def prepare(self) -> None:
+        self.x.grad = None
+        self.loss = tree_sum([self.x * c for c in self.factors]).sum()
+
+    async def run(self) -> float:
+        await self.loss.backward()
+        return float(self.x.grad.numpy().sum())
+
+
+class _TorchFan(Case):
+    def __init__(self, params: Params) -> None:
+        import torch
+
+        self.factors = _fan_factors(params["branches"])
+        self.nodes = 2 * params["branches"]
+        self.x = torch.tensor(_seed_array((4,)), requires_grad=True)
+
+    def prepare(self) -> None:
+        self.x.grad = None
+        self.loss = tree_sum([self.x * c for c in self.factors]).sum()
+
+    def run(self) -> float:
+        self.loss.backward()
+        return float(self.x.grad.sum())
+
+
+class _HipsFan(Case):
+    def __init__(self, params: Params) -> None:
+        self.factors = _fan_factors(params["branches"])
+        self.nodes = 2 * params["branches"]
+        self.x = _seed_array((4,))
+
+    def prepare(self) -> None:
+        import autograd.numpy as anp
+        from autograd.core import make_vjp
+
+        def f(x: Any) -> Any:
+            return anp.sum(tree_sum([x * c for c in self.factors]))
+
+        self.vjp, _ = make_vjp(f, self.x)
+
+    def run(self) -> float:
+        return float(np.sum(self.vjp(np.float32(1.0))))
+
+
+class _MygradFan(Case):
+    def __init__(self, params: Params) -> None:
+        import mygrad as mg
+
+        self.mg = mg
+        self.factors = _fan_factors(params["branches"])
+        self.nodes = 2 * params["branches"]
+        self.x = mg.tensor(_seed_array((4,)))
+
+    def prepare(self) -> None:
+        self.x.null_grad()
+        self.loss = self.mg.sum(tree_sum([self.x * c for c in self.factors]))
+
+    def run(self) -> float:
+        self.loss.backward()
+        return float(np.sum(self.x.grad))
+
+
+register(
+    Workload(
+        name="fan",
+        description="backward of x -> n branches (x * c_i) -> balanced tree of adds -> sum",
+        sizes={"full": {"branches": 1_000}, "quick": {"branches": 1_000}, "tiny": {"branches": 8}},
+        repeats={"full": (3, 50), "quick": (1, 10), "tiny": (0, 1)},
+        impls=(
+            Impl("aioautograd", _AioFan),
+            Impl("torch", _TorchFan, ("torch",)),
+            Impl("autograd", _HipsFan, ("autograd",)),
+            Impl("mygrad", _MygradFan, ("mygrad",)),
+        ),
+    )
+)
+
+
+# -------------------------------------------------------------------------------------- MLP
+# One SGD training step: forward, softmax cross-entropy (mean over the batch), backward,
+# p -= lr * grad, gradients dropped (PyTorch's zero_grad(set_to_none=True)). All three
+# implementations start from the same float32 weights and batch.
+
+LEARNING_RATE = 0.01
+
+
+@dataclass
+class MlpData:
+    weights: list[np.ndarray]  # W1, W2, ..., each (fan_in, fan_out)
+    biases: list[np.ndarray]
+    inputs: np.ndarray  # (batch, widths[0])
+    targets: np.ndarray  # (batch,) int64 class indices
+    one_hot: np.ndarray  # (batch, classes) float32
+
+
+def mlp_data(widths: list[int], batch: int, seed: int = 0) -> MlpData:
+    rng = np.random.default_rng(seed)
+    weights, biases = [], []
+    for fan_in, fan_out in zip(widths[:-1], widths[1:], strict=True):
+        scale = np.sqrt(2.0 / fan_in)  # He initialisation, for ReLU layers
+        weights.append((rng.standard_normal((fan_in, fan_out)) * scale).astype(np.float32))
+        biases.append(np.zeros(fan_out, np.float32))
+    inputs = rng.standard_normal((batch, widths[0])).astype(np.float32)
+    targets = rng.integers(0, widths[-1], batch).astype(np.int64)
+    one_hot = np.zeros((batch, widths[-1]), np.float32)
+    one_hot[np.arange(batch), targets] = 1.0
+    return MlpData(weights, biases, inputs, targets, one_hot)
+
+
+class _LogSoftmax(ag.Function):
+    """Row-wise log-softmax, used only while aioautograd lacks log / max / log_softmax."""
+
+    @staticmethod
+    def forward(ctx: Any, x: ag.Tensor) -> ag.Tensor:
+        data = x.numpy()
+        shifted = data - data.max(axis=1, keepdims=True)
+        out = ag.tensor(shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True)))
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: ag.Tensor) -> ag.Tensor:
+        (out,) = ctx.saved_tensors
+        return grad - out.exp() * grad.sum(1, keepdim=True)
+
+
+def _works(fn: Callable[[], Any]) -> bool:
+    try:
+        fn()
+    except (AttributeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
+def aio_relu() -> tuple[Callable[[ag.Tensor], ag.Tensor], str]:
+    """``Tensor.relu`` when aioautograd has it, else ``maximum(x, 0)``; and which one."""
+    probe = ag.zeros(2, 3, requires_grad=True)
+    if _works(lambda: probe.relu()):
+        return (lambda x: x.relu()), "Tensor.relu"
+    return (lambda x: ag.maximum(x, 0.0)), "maximum(x, 0)"
+
+
+def aio_cross_entropy() -> tuple[Callable[[ag.Tensor, ag.Tensor, ag.Tensor], ag.Tensor], str]:
+    """The best cross-entropy aioautograd offers now; and which one.
+
+    The returned function takes ``(logits, targets, one_hot)``: class indices for
+    ``nn.functional.cross_entropy``, the one-hot matrix for the log-softmax fallbacks.
+    """
+    probe = ag.zeros(2, 3, requires_grad=True)
+    targets = ag.tensor(np.array([0, 2], np.int64))
+    functional = ag.nn.functional
+    if _works(lambda: functional.cross_entropy(probe, targets)):
+        return (lambda z, t, _: functional.cross_entropy(z, t)), "nn.functional.cross_entropy"
+
+    def nll(log_probs: ag.Tensor, one_hot: ag.Tensor) -> ag.Tensor:
+        return -(log_probs * one_hot).sum() / one_hot.shape[0]
+
+    if _works(lambda: probe.log_softmax(1)):
+        return (lambda z, _, h: nll(z.log_softmax(1), h)), "Tensor.log_softmax + one-hot NLL"
+    return (
+        lambda z, _, h: nll(_LogSoftmax.apply(z), h)
+    ), "benchmark-local LogSoftmax Function + one-hot NLL"
+
+
+class _AioMlp(Case):
+    def __init__(self, params: Params) -> None:
+        data = mlp_data(params["widths"], params["batch"])
+        self.weights = [ag.tensor(w, requires_grad=True) for w in data.weights]
+        self.biases = [ag.tensor(b, requires_grad=True) for b in data.biases]
+        self.params = self.weights + self.biases
+        self.inputs = ag.tensor(data.inputs)
+        self.targets = ag.tensor(data.targets)
+        self.one_hot = ag.tensor(data.one_hot)
+        self.relu, self.relu_impl = aio_relu()
+        self.cross_entropy, self.loss_impl = aio_cross_entropy()
+
+    async def run(self) -> float:
+        h = self.inputs
+        last = len(self.weights) - 1
+        for i, (w, b) in enumerate(zip(self.weights, self.biases, strict=True)):
+            h = h @ w + b
+            if i < last:
+                h = self.relu(h)
+        loss = self.cross_entropy(h, self.targets, self.one_hot)
+        await loss.backward()
+        with ag.no_grad():
+            for p in self.params:
+                p.sub_(p.grad, alpha=LEARNING_RATE)
+                p.grad = None
+        return float(loss.item())
+
+    def extras(self) -> dict[str, Any]:
+        return {"relu": self.relu_impl, "loss": self.loss_impl}
+
+
+class _TorchMlp(Case):
+    def __init__(self, params: Params) -> None:
+        import torch
+
+        self.functional = torch.nn.functional
+        self.no_grad = torch.no_grad
+        data = mlp_data(params["widths"], params["batch"])
+        self.weights = [torch.tensor(w, requires_grad=True) for w in data.weights]
+        self.biases = [torch.tensor(b, requires_grad=True) for b in data.biases]
+        self.params = self.weights + self.biases
+        self.inputs = torch.tensor(data.inputs)
+        self.targets = torch.tensor(data.targets)
+
+    def run(self) -> float:
+        functional = self.functional
+        h = self.inputs
+        last = len(self.weights) - 1
+        for i, (w, b) in enumerate(zip(self.weights, self.biases, strict=True)):
+            h = h @ w + b
+            if i < last:
+                h = functional.relu(h)
+        loss = functional.cross_entropy(h, self.targets)
+        loss.backward()
+        with self.no_grad():
+            for p in self.params:
+                p.sub_(p.grad, alpha=LEARNING_RATE)
+                p.grad = None
+        return float(loss.item())
+
+    def extras(self) -> dict[str, Any]:
+        return {"relu": "F.relu", "loss": "F.cross_entropy"}
+
+
+class _NumpyMlp(Case):
+    """Hand-written forward and backward: the engine-free floor on the same BLAS."""
+
+    def __init__(self, params: Params) -> None:
+        data = mlp_data(params["widths"], params["batch"])
+        self.weights = data.weights
+        self.biases = data.biases
+        self.inputs = data.inputs
+        self.targets = data.targets
+        self.rows = np.arange(params["batch"])
+
+    def run(self) -> float:
+        weights, biases = self.weights, self.biases
+        batch = self.inputs.shape[0]
+        # Forward; activations[i] is the input of layer i.
+        activations = [self.inputs]
+        h = self.inputs
+        last = len(weights) - 1
+        for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
+            h = h @ w
+            h += b
+            if i < last:
+                np.maximum(h, 0.0, out=h)
+                activations.append(h)
+        logits = h
+        # Softmax cross-entropy, mean over the batch.
+        logits -= logits.max(axis=1, keepdims=True)
+        probs = np.exp(logits)
+        norm = probs.sum(axis=1, keepdims=True)
+        loss = float(np.log(norm[:, 0]).mean() - logits[self.rows, self.targets].mean())
+        # Backward: d(loss)/d(logits) = (softmax - one_hot) / batch.
+        probs /= norm
+        probs[self.rows, self.targets] -= 1.0
+        probs /= batch
+        grad = probs
+        weight_grads: list[np.ndarray] = [None] * len(weights)  # type: ignore[list-item]
+        bias_grads: list[np.ndarray] = [None] * len(weights)  # type: ignore[list-item]
+        for i in range(last, -1, -1):
+            weight_grads[i] = activations[i].T @ grad
+            bias_grads[i] = grad.sum(axis=0)
+            if i > 0:
+                grad = grad @ weights[i].T
+                grad *= activations[i] > 0  # ReLU: the activation is positive where z was
+        # SGD, in place.
+        for param, param_grad in zip(weights + biases, weight_grads + bias_grads, strict=True):
+            param_grad *= LEARNING_RATE
+            param -= param_grad
+        return loss
+
+    def extras(self) -> dict[str, Any]:
+        return {"relu": "np.maximum", "loss": "hand-written softmax cross-entropy"}
+
+
+_MLP_IMPLS = (
+    Impl("aioautograd", _AioMlp),
+    Impl("torch", _TorchMlp, ("torch",)),
+    Impl("numpy", _NumpyMlp),
+)
+
+register(
+    Workload(
+        name="mlp",
+        description="SGD step of an MLP 784-1024-1024-10, batch 256, float32, ReLU, cross-entropy",
+        sizes={
+            "full": {"widths": [784, 1024, 1024, 10], "batch": 256},
+            "quick": {"widths": [784, 1024, 1024, 10], "batch": 256},
+            "tiny": {"widths": [12, 16, 16, 10], "batch": 4},
+        },
+        repeats={"full": (5, 40), "quick": (2, 8), "tiny": (0, 1)},
+        impls=_MLP_IMPLS,
+    )
+)
+
+register(
+    Workload(
+        name="small_mlp",
+        description="SGD step of an MLP 64-64-64-10, batch 8 (overhead-bound)",
+        sizes={
+            "full": {"widths": [64, 64, 64, 10], "batch": 8},
+            "quick": {"widths": [64, 64, 64, 10], "batch": 8},
+            "tiny": {"widths": [8, 8, 8, 10], "batch": 2},
+        },
+        repeats={"full": (100, 1000), "quick": (20, 100), "tiny": (0, 1)},
+        impls=_MLP_IMPLS,
+    )
+)

@@ -1,0 +1,295 @@
+"""Concurrency: many graph tasks, several loops, cancellation, contextvars, async and
+reentrant nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import aioautograd as ag
+from aioautograd.engine.executor import MAX_DEPTH
+from tests.helpers import assert_close
+
+
+def _engine_idle() -> bool:
+    return all(e.busy == 0 and len(e.queue) == 0 for e in ag.get_default_engine().executors.values())
+
+
+async def _wait_idle(timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not _engine_idle():
+        assert time.monotonic() < deadline, "an executor thread stayed busy"
+        await asyncio.sleep(0.005)
+
+
+async def test_200_concurrent_graph_tasks_match_sequential() -> None:
+    rng = np.random.default_rng(0)
+    datas = [rng.standard_normal((4, 3)) for _ in range(200)]
+    w = ag.tensor(rng.standard_normal((3, 2)), requires_grad=True)
+
+    async def run(data: np.ndarray) -> ag.Tensor:
+        x = ag.tensor(data, requires_grad=True)
+        await ((x @ w).tanh() * x.sum()).sum().backward(inputs=[x])
+        assert x.grad is not None
+        return x.grad
+
+    concurrent = await asyncio.gather(*(run(d) for d in datas))
+    sequential = [await run(d) for d in datas]
+    for a, b in zip(concurrent, sequential, strict=True):
+        assert_close(a, b)
+
+
+async def test_200_concurrent_backwards_into_one_leaf_lose_nothing() -> None:
+    w = ag.randn(5, dtype="float64", requires_grad=True)
+
+    async def run(i: int) -> None:
+        await (w * float(i)).sum().backward()
+
+    await asyncio.gather(*(run(i) for i in range(200)))
+    assert_close(w.grad, np.full(5, float(sum(range(200)))))
+
+
+async def test_graph_tasks_from_four_threads_with_their_own_loops() -> None:
+    w = ag.randn(3, dtype="float64", requires_grad=True)
+    errors: list[BaseException] = []
+
+    def thread_main(k: int) -> None:
+        async def work() -> None:
+            for _ in range(25):
+                await ((w * k).exp() * 0 + w * k).sum().backward()
+
+        try:
+            asyncio.run(work())
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=thread_main, args=(k,)) for k in range(1, 5)]
+    for t in threads:
+        t.start()
+    await asyncio.to_thread(lambda: [t.join() for t in threads])
+    assert not errors
+    assert_close(w.grad, np.full(3, 25.0 * (1 + 2 + 3 + 4)))
+
+
+class SlowNode(ag.Function):
+    """A backward that takes a while on an executor thread."""
+
+    started = threading.Event()
+    ran = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        SlowNode.started.set()
+        SlowNode.ran += 1
+        time.sleep(0.2)
+        return grad
+
+
+async def test_cancellation_stops_the_graph_task_and_engine_stays_usable() -> None:
+    SlowNode.started.clear()
+    SlowNode.ran = 0
+    x = ag.randn(3, requires_grad=True)
+    h = x
+    for _ in range(5):
+        h = SlowNode.apply(h)
+    task = asyncio.create_task(h.sum().backward())
+    await asyncio.to_thread(SlowNode.started.wait, 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert SlowNode.ran == 1  # no further node of the cancelled task started
+    assert x.grad is None
+    await _wait_idle()
+    y = ag.randn(2, requires_grad=True)
+    await (y * 2).sum().backward()
+    assert_close(y.grad, np.full(2, 2.0))
+
+
+class WaitsForEvent(ag.Function):
+    event: asyncio.Event
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    async def backward(ctx, grad):
+        await WaitsForEvent.event.wait()
+        return grad * 2
+
+
+async def test_async_backward_awaits_an_event_set_by_another_task() -> None:
+    WaitsForEvent.event = asyncio.Event()
+    x = ag.randn(3, dtype="float64", requires_grad=True)
+    y = WaitsForEvent.apply(x).exp().sum()
+    assert y.grad_fn.next_functions[0][0].next_functions[0][0].is_async
+    backward = asyncio.create_task(y.backward())
+    await asyncio.sleep(0.05)
+    assert not backward.done()
+    WaitsForEvent.event.set()
+    await asyncio.wait_for(backward, 5)
+    assert_close(x.grad, 2 * np.exp(2 * x.data))
+
+
+class AwaitsInnerGrad(ag.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 1
+
+    @staticmethod
+    async def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with ag.enable_grad():
+            inner = ag.tensor(x.data.copy(), requires_grad=True)
+            (g,) = await ag.grad((inner * inner).sum(), inner)
+        return grad * g
+
+
+async def test_async_backward_awaits_a_nested_grad() -> None:
+    x = ag.randn(3, dtype="float64", requires_grad=True)
+    await AwaitsInnerGrad.apply(x).sum().backward()
+    assert_close(x.grad, 2 * x.data)
+
+
+class AsyncFails(ag.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    async def backward(ctx, grad):
+        await asyncio.sleep(0)
+        raise KeyError("async node failed")
+
+
+async def test_error_inside_async_node() -> None:
+    x = ag.randn(3, requires_grad=True)
+    with pytest.raises(KeyError, match="async node failed") as info:
+        await AsyncFails.apply(x).sum().backward()
+    assert "AsyncFailsBackward" in "\n".join(info.value.__notes__)
+
+
+async def test_cancelling_while_an_async_node_waits() -> None:
+    WaitsForEvent.event = asyncio.Event()
+    x = ag.randn(3, requires_grad=True)
+    task = asyncio.create_task(WaitsForEvent.apply(x).sum().backward())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 5)
+    assert x.grad is None
+    await _wait_idle()
+
+
+async def test_grad_mode_is_isolated_between_tasks() -> None:
+    inside = asyncio.Event()
+    release = asyncio.Event()
+
+    async def disables() -> bool:
+        with ag.no_grad():
+            inside.set()
+            await release.wait()
+            return ag.is_grad_enabled()
+
+    async def observes() -> bool:
+        await inside.wait()
+        enabled = ag.is_grad_enabled()
+        x = ag.randn(2, requires_grad=True)
+        recorded = (x * 2).requires_grad
+        release.set()
+        return enabled and recorded
+
+    a, b = await asyncio.gather(disables(), observes())
+    assert a is False
+    assert b is True
+
+
+async def test_grad_mode_decorators_on_sync_and_async_functions() -> None:
+    @ag.no_grad()
+    def plain(x: ag.Tensor) -> ag.Tensor:
+        return x * 2
+
+    @ag.no_grad()
+    async def coroutine(x: ag.Tensor) -> ag.Tensor:
+        await asyncio.sleep(0)
+        return x * 2
+
+    x = ag.randn(2, requires_grad=True)
+    assert not plain(x).requires_grad
+    assert not (await coroutine(x)).requires_grad
+    assert (x * 2).requires_grad
+    with ag.no_grad(), ag.enable_grad():
+        assert (x * 2).requires_grad
+    with ag.set_grad_enabled(False):
+        assert not ag.is_grad_enabled()
+    assert ag.is_grad_enabled()
+
+
+class ReentrantSquare(ag.Function):
+    """A sync node whose backward runs a nested backward_sync on its executor thread."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with ag.enable_grad():
+            inner = ag.tensor(x.data.copy(), requires_grad=True)
+            (inner * inner).sum().backward_sync()
+        return grad * inner.grad
+
+
+async def test_reentrant_backward_sync_in_a_sync_node() -> None:
+    x = ag.randn(4, dtype="float64", requires_grad=True)
+    await ReentrantSquare.apply(x).sum().backward()
+    assert_close(x.grad, 2 * x.data)
+
+
+class Nested(ag.Function):
+    """Each level's backward runs backward_sync on a graph containing the next level."""
+
+    @staticmethod
+    def forward(ctx, x, depth):
+        ctx.depth = depth
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.depth > 0:
+            with ag.enable_grad():
+                inner = ag.tensor(grad.data.copy(), requires_grad=True)
+                Nested.apply(inner, ctx.depth - 1).sum().backward_sync()
+                Nested.reached = max(Nested.reached, ctx.depth)
+        return grad, None
+
+    reached = 0
+
+
+async def test_reentrant_depth_200_neither_deadlocks_nor_overflows() -> None:
+    assert MAX_DEPTH == 60
+    Nested.reached = 0
+    x = ag.randn(2, requires_grad=True)
+    await asyncio.wait_for(Nested.apply(x, 200).sum().backward(), 60)
+    assert Nested.reached == 200
+    assert_close(x.grad, np.ones(2))
+
+
+async def test_concurrent_reentrant_graph_tasks_do_not_deadlock() -> None:
+    xs = [ag.randn(3, dtype="float64", requires_grad=True) for _ in range(8)]
+    await asyncio.wait_for(
+        asyncio.gather(*(ReentrantSquare.apply(x).sum().backward() for x in xs)), 30
+    )
+    for x in xs:
+        assert_close(x.grad, 2 * x.data)
