@@ -18,6 +18,7 @@ from aioautograd.anomaly_mode import (
 )
 from aioautograd.autograd.hooks import RemovableHandle
 from aioautograd.autograd.node import AccumulateGrad, GraphRoot, Node
+from aioautograd.checkpoint import checkpoint
 from aioautograd.devices.device import Device, device
 from aioautograd.engine.api import backward, backward_sync, grad, grad_sync
 from aioautograd.engine.engine import Engine, get_default_engine, queue_callback
@@ -53,8 +54,14 @@ from aioautograd.gradcheck import GradcheckError, gradcheck, gradgradcheck
 from aioautograd.ops.arithmetic import add, div, maximum, minimum, mul, neg, pow, sub, where
 from aioautograd.ops.linalg import matmul
 from aioautograd.ops.reduction import (
+    log_softmax,
+    logsumexp,
+    max,
     mean,
+    min,
+    softmax,
     sum,
+    var,
 )
 from aioautograd.ops.shape import (
     expand,
@@ -65,7 +72,17 @@ from aioautograd.ops.shape import (
     unsqueeze,
 )
 from aioautograd.ops.unary import (
+    abs,
+    clamp,
+    cos,
     exp,
+    gelu,
+    log,
+    relu,
+    sigmoid,
+    sin,
+    sqrt,
+    tanh,
 )
 
 grad_fn = Node
@@ -91,12 +108,16 @@ __all__ = [
     "RemovableHandle",
     "Tensor",
     "__version__",
+    "abs",
     "add",
     "arange",
     "as_tensor",
     "backward",
     "backward_sync",
     "bool_",
+    "checkpoint",
+    "clamp",
+    "cos",
     "detect_anomaly",
     "device",
     "div",
@@ -111,6 +132,7 @@ __all__ = [
     "from_numpy",
     "full",
     "full_like",
+    "gelu",
     "get_default_engine",
     "grad",
     "grad_fn",
@@ -123,10 +145,15 @@ __all__ = [
     "is_anomaly_check_nan_enabled",
     "is_anomaly_enabled",
     "is_grad_enabled",
+    "log",
+    "log_softmax",
+    "logsumexp",
     "manual_seed",
     "matmul",
+    "max",
     "maximum",
     "mean",
+    "min",
     "minimum",
     "mul",
     "neg",
@@ -143,15 +170,22 @@ __all__ = [
     "randint",
     "randn",
     "randn_like",
+    "relu",
     "reshape",
     "set_detect_anomaly",
     "set_grad_enabled",
+    "sigmoid",
+    "sin",
+    "softmax",
+    "sqrt",
     "squeeze",
     "sub",
     "sum",
+    "tanh",
     "tensor",
     "transpose",
     "unsqueeze",
+    "var",
     "where",
     "zeros",
     "zeros_like",

@@ -22,6 +22,9 @@ class AnomalyMode(NamedTuple):
 
 
 _anomaly: ContextVar[AnomalyMode] = ContextVar("anomaly_mode", default=AnomalyMode(False, True))
+# In anomaly mode, the backward node being evaluated: nodes created while it runs (double
+# backward) record it as their parent, so a failure can report the chain that induced it.
+current_node: ContextVar[Any] = ContextVar("anomaly_current_node", default=None)
 
 
 def is_anomaly_enabled() -> bool:

@@ -14,7 +14,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from aioautograd.anomaly_mode import _anomaly
+from aioautograd.anomaly_mode import _anomaly, current_node
 from aioautograd.autograd.node import Edge, Error, Grads, Node
 from aioautograd.autograd.saved import SavedTensor, second_backward_error
 from aioautograd.grad_mode import _grad_enabled
@@ -220,6 +220,9 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
     mode = _anomaly.get()
     if mode.enabled:
         node.metadata["traceback_"] = traceback.format_stack()[:-2]
+        parent = current_node.get()
+        if parent is not None:
+            node.metadata["parent_"] = parent
     if node.to_save:
         node._save_variables(outputs)
     return raw

@@ -19,6 +19,7 @@ implementation imports, and the harness skips it cleanly when one is missing.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -314,7 +315,7 @@ class MlpData:
 def mlp_data(widths: list[int], batch: int, seed: int = 0) -> MlpData:
     rng = np.random.default_rng(seed)
     weights, biases = [], []
-    for fan_in, fan_out in zip(widths[:-1], widths[1:], strict=True):
+    for fan_in, fan_out in itertools.pairwise(widths):
         scale = np.sqrt(2.0 / fan_in)  # He initialisation, for ReLU layers
         weights.append((rng.standard_normal((fan_in, fan_out)) * scale).astype(np.float32))
         biases.append(np.zeros(fan_out, np.float32))
@@ -330,9 +331,9 @@ class _LogSoftmax(ag.Function):
 
     @staticmethod
     def forward(ctx: Any, x: ag.Tensor) -> ag.Tensor:
-        data = x.numpy()
+        data = x.data
         shifted = data - data.max(axis=1, keepdims=True)
-        out = ag.tensor(shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True)))
+        out = ag.from_numpy(shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True)))
         ctx.save_for_backward(out)
         return out
 

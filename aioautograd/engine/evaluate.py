@@ -12,8 +12,10 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from aioautograd.anomaly_mode import current_node
 from aioautograd.autograd.node import Node
 from aioautograd.devices.device import CPU, Device
+from aioautograd.autograd.saved import describe
 from aioautograd.engine.graph_task import GraphTask, current_graph_task, enter_graph_task
 from aioautograd.engine.ready_queue import NodeTask
 from aioautograd.engine.validate import validate_outputs
@@ -79,6 +81,13 @@ def _call_function(
             graph_task.start_async_node(node, inputs)
             return None
         outputs = asyncio.run(node.apply(inputs))  # type: ignore[arg-type]
+    elif graph_task.anomaly.enabled:
+        token = current_node.set(node)
+        try:
+            with node._lock:
+                outputs = node.apply(inputs)
+        finally:
+            current_node.reset(token)
     else:
         with node._lock:
             outputs = node.apply(inputs)
@@ -132,7 +141,13 @@ def _call_tensor_pre_hooks(node: Node, inputs: Grads) -> Grads:
 def _check_nan(node: Node, outputs: Sequence[Tensor | None]) -> None:
     for i, grad in enumerate(outputs):
         if grad is not None and grad.data.dtype.kind in "fc" and grad.xp.isnan(grad.data).any():
-            raise RuntimeError(f"Function '{node.name()}' returned nan values in its {i}th output.")
+            error = RuntimeError(f"Function '{node.name()}' returned nan values in its {i}th output.")
+            next_node = node._next_edges[i][0]
+            error.add_note(
+                f"Output {i} of {node.name()} is the gradient for "
+                f"{next_node.name() if next_node is not None else 'nothing'}: {describe(grad)}"
+            )
+            raise error
 
 
 def _make_ready(

@@ -352,9 +352,18 @@ def _annotate(
         f"Raised by {node.name()} in graph task {graph_task.id}{where}; "
         f"its gradient inputs were: [{described}]"
     )
-    trace = node._metadata.get("traceback_") if node._metadata else None
-    if trace:
-        exc.add_note(
-            f"Traceback of forward call that created {node.name()} (anomaly mode):\n"
-            + "".join(trace).rstrip()
-        )
+    current: Node | None = node
+    induced = False
+    while current is not None:
+        metadata = current._metadata or {}
+        trace = metadata.get("traceback_")
+        if trace:
+            what = "induced the previous calculation" if induced else "caused the error"
+            if induced:
+                exc.add_note(f"Previous calculation was induced by {current.name()}.")
+            exc.add_note(
+                f"Traceback of forward call that {what} ({current.name()}, anomaly mode):\n"
+                + "".join(trace).rstrip()
+            )
+        current = metadata.get("parent_")
+        induced = True

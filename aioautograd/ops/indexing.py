@@ -1,22 +1,31 @@
-"""Indexing: ``__getitem__`` (basic and advanced), ``gather``, ``index_select``."""
+"""Indexing: ``__getitem__`` (basic and advanced), ``gather``, ``index_select``.
+
+Basic indexing (ints, slices, ``None``, ``...``) returns a view; advanced indexing (integer
+arrays, lists or tensors, boolean masks, mixed with basic items) returns a copy. The backward
+of every gathering op scatters the gradient into zeros, *adding* at repeated indices
+(``numpy.add.at``, ``cupyx.scatter_add``), and the backward of that scatter is the gather
+again, so second derivatives work.
+"""
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
-from aioautograd.ops._util import Op
+import numpy as np
+
+from aioautograd.ops._util import Op, wrap
 from aioautograd.tensor import Tensor
 
 
-def _index_data(index: Any) -> Any:
-    """Replace tensors inside an index expression by their arrays."""
-    if isinstance(index, Tensor):
-        return index.data
-    if isinstance(index, tuple):
-        return tuple(_index_data(i) for i in index)
-    if isinstance(index, list):
-        return [_index_data(i) for i in index]
-    return index
+def _add_at(out: Any, index: Any, values: Any) -> None:
+    """``out[index] += values`` where repeated indices accumulate."""
+    if isinstance(out, np.ndarray):
+        np.add.at(out, index, values)
+    else:
+        import cupyx  # CUDA path only: the CPU path never imports CuPy
+
+        cupyx.scatter_add(out, index, values)
 
 
 def _is_basic(index: Any) -> bool:
@@ -27,39 +36,226 @@ def _is_basic(index: Any) -> bool:
     )
 
 
+def _index_item(item: Any, xp: Any) -> Any:
+    """One item of an index expression with tensors replaced by arrays on ``xp``."""
+    if isinstance(item, Tensor):
+        return item.data
+    if isinstance(item, np.integer):
+        return operator.index(item)
+    if isinstance(item, list):
+        array = xp.asarray([i.data if isinstance(i, Tensor) else i for i in item])
+        # ``[]`` becomes a float array; NumPy indexes with it as an empty integer index.
+        return array.astype(np.intp) if array.size == 0 else array
+    if isinstance(item, np.ndarray):
+        return xp.asarray(item)
+    return item
+
+
+def _index_data(index: Any, xp: Any) -> Any:
+    if isinstance(index, tuple):
+        return tuple(_index_item(i, xp) for i in index)
+    return _index_item(index, xp)
+
+
+def _as_view_index(index: Any) -> Any:
+    """A basic index that yields an array, never a NumPy scalar: add a trailing ``...``."""
+    items = index if isinstance(index, tuple) else (index,)
+    if any(i is Ellipsis for i in items):
+        return index
+    return (*items, Ellipsis)
+
+
 class GetItem(Op):
+    """Basic indexing: a view of ``x``."""
+
     @staticmethod
     def forward(ctx: Any, x: Tensor, index: Any) -> Tensor:
-        ctx.shape, ctx.dtype, ctx.index = x.shape, x.dtype, index
-        data = x.data[index]
-        if _is_basic(index):
-            return x._view_of(data)
-        return Tensor(data, x.device)
+        ctx.shape, ctx.index = x.shape, index
+        return x._view_of(x.data[index])
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return IndexBackward.apply(grad, ctx.shape, ctx.index), None
+        return IndexPut.apply(grad, ctx.shape, ctx.index), None
 
 
-class IndexBackward(Op):
-    """Scatter-add ``grad`` into zeros of ``shape`` at ``index`` (repeated indices add up)."""
+class Index(Op):
+    """Advanced indexing: a copy."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, index: Any) -> Tensor:
+        ctx.shape, ctx.index = x.shape, index
+        return wrap(x.data[index], x.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return IndexPut.apply(grad, ctx.shape, ctx.index), None
+
+
+class IndexPut(Op):
+    """Scatter ``grad`` into zeros of ``shape`` at ``index``; repeated indices add up."""
 
     @staticmethod
     def forward(ctx: Any, grad: Tensor, shape: tuple[int, ...], index: Any) -> Tensor:
         ctx.index = index
-        xp = grad.xp
-        out = xp.zeros(shape, dtype=grad.dtype)
+        out = grad.xp.zeros(shape, dtype=grad.dtype)
         if _is_basic(index):
             out[index] = grad.data
         else:
-            xp.add.at(out, index, grad.data)
+            _add_at(out, index, grad.data)
         return Tensor(out, grad.device)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return GetItem.apply(grad, ctx.index), None, None
+        index = ctx.index
+        op = GetItem if _is_basic(index) else Index
+        return op.apply(grad, index), None, None
+
+
+def _gather_index(xp: Any, index: Any, dim: int) -> tuple[Any, ...]:
+    """The advanced index equivalent to gathering ``index`` along ``dim``."""
+    ndim = index.ndim
+    items = []
+    for axis in range(ndim):
+        if axis == dim:
+            items.append(index)
+        else:
+            shape = [1] * ndim
+            shape[axis] = index.shape[axis]
+            items.append(xp.arange(index.shape[axis]).reshape(shape))
+    return tuple(items)
+
+
+class Gather(Op):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, dim: int, index: Tensor) -> Tensor:
+        ctx.shape, ctx.dim = x.shape, dim
+        ctx.save_for_backward(index)
+        return wrap(x.data[_gather_index(x.xp, index.data, dim)], x.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        (index,) = ctx.saved_tensors
+        return ScatterAdd.apply(grad, ctx.shape, ctx.dim, index), None, None
+
+
+class ScatterAdd(Op):
+    """Zeros of ``shape`` with ``src`` added at ``index`` along ``dim`` (``gather``'s backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, src: Tensor, shape: tuple[int, ...], dim: int, index: Tensor) -> Tensor:
+        ctx.dim = dim
+        ctx.save_for_backward(index)
+        out = src.xp.zeros(shape, dtype=src.dtype)
+        _add_at(out, _gather_index(src.xp, index.data, dim), src.data)
+        return Tensor(out, src.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        (index,) = ctx.saved_tensors
+        return Gather.apply(grad, ctx.dim, index), None, None, None
+
+
+class IndexSelect(Op):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, dim: int, index: Tensor) -> Tensor:
+        ctx.shape, ctx.dim = x.shape, dim
+        ctx.save_for_backward(index)
+        return wrap(x.xp.take(x.data, index.data, axis=dim), x.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        (index,) = ctx.saved_tensors
+        return IndexAdd.apply(grad, ctx.shape, ctx.dim, index), None, None
+
+
+class IndexAdd(Op):
+    """Zeros of ``shape`` with the slices of ``src`` added at ``index`` along ``dim``."""
+
+    @staticmethod
+    def forward(ctx: Any, src: Tensor, shape: tuple[int, ...], dim: int, index: Tensor) -> Tensor:
+        ctx.dim = dim
+        ctx.save_for_backward(index)
+        out = src.xp.zeros(shape, dtype=src.dtype)
+        _add_at(out, (slice(None),) * dim + (index.data,), src.data)
+        return Tensor(out, src.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        (index,) = ctx.saved_tensors
+        return IndexSelect.apply(grad, ctx.dim, index), None, None, None
 
 
 def getitem(x: Tensor, index: Any) -> Tensor:
-    """``x[index]`` with NumPy semantics; basic indexing returns a view."""
-    return GetItem.apply(x, _index_data(index))  # type: ignore[no-any-return]
+    """``x[index]`` with NumPy semantics.
+
+    Basic indexing (ints, slices, ``None``, ``...``) returns a view sharing ``x``'s memory and
+    version counter; advanced indexing (integer or boolean arrays, lists or tensors, possibly
+    mixed with basic items) returns a copy whose gradient accumulates at repeated indices.
+    """
+    data = _index_data(index, x.xp)
+    if _is_basic(data):
+        return GetItem.apply(x, _as_view_index(data))  # type: ignore[no-any-return]
+    return Index.apply(x, data)  # type: ignore[no-any-return]
+
+
+def _check_index(name: str, x: Tensor, index: Any) -> None:
+    if not isinstance(index, Tensor):
+        raise TypeError(f"{name}(): index must be a Tensor, got {type(index).__name__}")
+    if index.dtype.kind not in "iu":
+        raise RuntimeError(f"{name}(): Expected dtype int64 for index, got {index.dtype}")
+    if index.device is not x.device:
+        raise RuntimeError(
+            f"{name}(): Expected index on device {x.device} (that of the input), got "
+            f"{index.device}"
+        )
+
+
+def gather(x: Tensor, dim: int, index: Tensor) -> Tensor:
+    """Values of ``x`` along ``dim`` at ``index``: for ``dim=0``,
+    ``out[i][j] = x[index[i][j]][j]``.
+
+    ``index`` is an integer tensor with as many dimensions as ``x`` and, outside ``dim``,
+    sizes no larger than ``x``'s; the result has ``index``'s shape. The gradient is
+    scatter-added (repeated indices accumulate).
+
+    Raises:
+        RuntimeError: for a non-integer index, mismatched dimensions or sizes.
+    """
+    from aioautograd.ops.shape import _dim
+
+    _check_index("gather", x, index)
+    if index.ndim != x.ndim:
+        raise RuntimeError("Index tensor must have the same number of dimensions as input tensor")
+    d = _dim(dim, x.ndim)
+    if x.ndim == 0:
+        return gather(x.reshape(1), 0, index.reshape(1)).reshape(())
+    for axis in range(x.ndim):
+        if axis != d and index.shape[axis] > x.shape[axis]:
+            raise RuntimeError(
+                f"Size does not match at dimension {axis} expected index {list(index.shape)} "
+                f"to be no larger than self {list(x.shape)} apart from dimension {d}"
+            )
+    return Gather.apply(x, d, index)  # type: ignore[no-any-return]
+
+
+def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
+    """The slices of ``x`` along ``dim`` at the positions in the 1-D ``index``.
+
+    The result has ``x``'s shape with ``dim`` resized to ``len(index)``; the gradient is
+    index-added (repeated indices accumulate).
+
+    Raises:
+        IndexError: for an index with more than one dimension.
+        RuntimeError: for a non-integer index or one on another device.
+    """
+    from aioautograd.ops.shape import _dim
+
+    _check_index("index_select", x, index)
+    if index.ndim > 1:
+        raise IndexError("index_select(): Index is supposed to be a vector")
+    d = _dim(dim, x.ndim)
+    if index.ndim == 0:
+        index = Tensor(index.data.reshape(1), index.device)
+    if x.ndim == 0:
+        return index_select(x.reshape(1), 0, index).reshape(())
+    return IndexSelect.apply(x, d, index)  # type: ignore[no-any-return]

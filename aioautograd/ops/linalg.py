@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from aioautograd.ops._util import Op, binary_operands, wrap
+from aioautograd.ops._util import Op, as_tensor_like, binary_operands, wrap
 from aioautograd.tensor import Tensor
 
 
@@ -12,36 +12,64 @@ class MatMul(Op):
     @staticmethod
     def forward(ctx: Any, a: Tensor, b: Tensor) -> Tensor:
         a_data, b_data, device = binary_operands(a, b)
-        if a_data.ndim == 0 or b_data.ndim == 0:
-            raise RuntimeError("both arguments to matmul need to be at least 1D")
-        ctx.save_for_backward(a, b)
+        needs = ctx.needs_input_grad
+        if needs:
+            # Each gradient needs only the other operand.
+            ctx.save_for_backward(a if needs[1] else None, b if needs[0] else None)
+            ctx.ndims = (a.ndim, b.ndim)
         return wrap(device.xp.matmul(a_data, b_data), device)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
         a, b = ctx.saved_tensors
+        a_ndim, b_ndim = ctx.ndims
         needs = ctx.needs_input_grad
-        # Promote 1-D operands to matrices so one formula covers every case; the results are
-        # then summed/reshaped to each input's shape by validate_outputs and the reshapes.
-        a2 = a.unsqueeze(0) if a.ndim == 1 else a
-        b2 = b.unsqueeze(-1) if b.ndim == 1 else b
-        g = grad
-        if a.ndim == 1:
-            g = g.unsqueeze(-2)
-        if b.ndim == 1:
-            g = g.unsqueeze(-1)
+        if a_ndim == 1 and b_ndim == 1:  # dot product: grad is 0-d
+            return (grad * b if needs[0] else None, grad * a if needs[1] else None)
+        # Promote 1-D operands to matrices (a row, b a column) so one formula covers every
+        # case; batch dimensions that were broadcast are summed away by validate_outputs.
+        if b_ndim == 1:
+            grad = grad.unsqueeze(-1)
+        if a_ndim == 1:
+            grad = grad.unsqueeze(-2)
         grad_a = grad_b = None
         if needs[0]:
-            grad_a = g @ b2.mT
-            if a.ndim == 1:
+            b2 = b.unsqueeze(-1) if b_ndim == 1 else b
+            grad_a = grad @ b2.mT
+            if a_ndim == 1:
                 grad_a = grad_a.squeeze(-2)
         if needs[1]:
-            grad_b = a2.mT @ g
-            if b.ndim == 1:
+            a2 = a.unsqueeze(0) if a_ndim == 1 else a
+            grad_b = a2.mT @ grad
+            if b_ndim == 1:
                 grad_b = grad_b.squeeze(-1)
         return grad_a, grad_b
 
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
-    """Matrix product of ``a`` and ``b`` (batched and broadcast like ``numpy.matmul``)."""
+    """Matrix product of ``a`` and ``b`` with the semantics of ``numpy.matmul``.
+
+    1-D·1-D is a dot product (0-d result); a 1-D first (second) operand is a row (column)
+    vector whose added dimension is removed from the result; N-D operands are stacks of
+    matrices in the last two dimensions, with batch dimensions broadcast.
+
+    Raises:
+        RuntimeError: if an operand is 0-d or the inner dimensions differ.
+    """
+    if not isinstance(a, Tensor):
+        a = as_tensor_like(a, b)
+    elif not isinstance(b, Tensor):
+        b = as_tensor_like(b, a)
+    if a.ndim == 0 or b.ndim == 0:
+        raise RuntimeError(
+            f"both arguments to matmul need to be at least 1D, but they are {a.ndim}D and "
+            f"{b.ndim}D"
+        )
+    inner_a = a.shape[-1]
+    inner_b = b.shape[-2] if b.ndim > 1 else b.shape[0]
+    if inner_a != inner_b:
+        raise RuntimeError(
+            f"matmul: Input operand inner dimensions do not match: {list(a.shape)} @ "
+            f"{list(b.shape)} ({inner_a} != {inner_b})"
+        )
     return MatMul.apply(a, b)  # type: ignore[no-any-return]

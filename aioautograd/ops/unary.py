@@ -59,7 +59,7 @@ class Exp(Op):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        (out,) = ctx.saved_tensors
+        out: Tensor = ctx.saved_tensors[0]
         return grad * out
 
 
@@ -71,7 +71,7 @@ class Log(Op):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        (x,) = ctx.saved_tensors
+        x: Tensor = ctx.saved_tensors[0]
         return grad / x
 
 
@@ -84,7 +84,7 @@ class Sqrt(Op):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        (out,) = ctx.saved_tensors
+        out: Tensor = ctx.saved_tensors[0]
         return grad / (2 * out)
 
 
@@ -97,7 +97,7 @@ class Abs(Op):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         # sign(x) is piecewise constant: a constant of the graph (0 at x == 0, as PyTorch).
-        (x,) = ctx.saved_tensors
+        x: Tensor = ctx.saved_tensors[0]
         return grad * Tensor(x.xp.sign(x.data), x.device)
 
 
@@ -109,7 +109,7 @@ class Sin(Op):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        (x,) = ctx.saved_tensors
+        x: Tensor = ctx.saved_tensors[0]
         return grad * cos(x)
 
 
@@ -121,7 +121,7 @@ class Cos(Op):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        (x,) = ctx.saved_tensors
+        x: Tensor = ctx.saved_tensors[0]
         return -grad * sin(x)
 
 
@@ -134,7 +134,7 @@ class Tanh(Op):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        (out,) = ctx.saved_tensors
+        out: Tensor = ctx.saved_tensors[0]
         return grad * (1 - out * out)
 
 
@@ -151,7 +151,7 @@ class Sigmoid(Op):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        (out,) = ctx.saved_tensors
+        out: Tensor = ctx.saved_tensors[0]
         return grad * out * (1 - out)
 
 
@@ -165,7 +165,7 @@ class Relu(Op):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         # PyTorch's threshold_backward: the gradient passes where the output is positive.
-        (out,) = ctx.saved_tensors
+        out: Tensor = ctx.saved_tensors[0]
         return where(Tensor(out.data > 0, out.device), grad, 0.0)
 
 
@@ -177,7 +177,7 @@ class Erf(Op):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        (x,) = ctx.saved_tensors
+        x: Tensor = ctx.saved_tensors[0]
         return grad * (_TWO_OVER_SQRT_PI * exp(-(x * x)))
 
 
@@ -196,7 +196,7 @@ class Gelu(Op):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        (x,) = ctx.saved_tensors
+        x: Tensor = ctx.saved_tensors[0]
         if ctx.approximate == "tanh":
             x_sq = x * x
             tanh_inner = tanh(_SQRT_2_OVER_PI * (x + _KAPPA * x_sq * x))
@@ -228,7 +228,7 @@ class Clamp(Op):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         # PyTorch: the gradient passes where low <= x <= high, bounds included.
-        (x,) = ctx.saved_tensors
+        x: Tensor = ctx.saved_tensors[0]
         low, high = ctx.bounds
         xp = x.xp
         inside = None
@@ -372,7 +372,7 @@ def sqrt(x: Tensor) -> Tensor:
     return Sqrt.apply(x)  # type: ignore[no-any-return]
 
 
-def abs(x: Tensor) -> Tensor:  # noqa: A001 (PyTorch's name)
+def abs(x: Tensor) -> Tensor:
     """Elementwise absolute value; the gradient at 0 is 0 (as PyTorch)."""
     return Abs.apply(x)  # type: ignore[no-any-return]
 
@@ -423,7 +423,7 @@ def gelu(x: Tensor, approximate: Literal["none", "tanh"] = "none") -> Tensor:
     return Gelu.apply(x, approximate)  # type: ignore[no-any-return]
 
 
-def clamp(x: Tensor, min: float | None = None, max: float | None = None) -> Tensor:  # noqa: A002
+def clamp(x: Tensor, min: float | None = None, max: float | None = None) -> Tensor:
     """Clamp every element of ``x`` into ``[min, max]`` (either bound may be ``None``).
 
     As in PyTorch, the gradient flows where ``min <= x <= max``, bounds included, and is

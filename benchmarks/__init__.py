@@ -1,0 +1,1 @@
+"""Benchmarks of SPEC §8: run with ``python benchmarks/run.py``."""

@@ -1,0 +1,221 @@
+"""Timing loop, JSON lines and the markdown table of ratios (used by ``run.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import aioautograd as ag
+from benchmarks.workloads import SUBJECT, Case, Workload
+
+
+@dataclass
+class Result:
+    name: str
+    impl: str
+    median_s: float
+    min_s: float
+    max_s: float
+    repeats: int
+    warmup: int
+    nodes: int | None
+    value: float
+    extras: dict[str, Any]
+
+    @property
+    def per_node_us(self) -> float | None:
+        return None if self.nodes is None else self.median_s / self.nodes * 1e6
+
+    def as_json(self) -> dict[str, Any]:
+        line: dict[str, Any] = {
+            "name": self.name,
+            "impl": self.impl,
+            "median_s": self.median_s,
+            "min_s": self.min_s,
+            "max_s": self.max_s,
+            "repeats": self.repeats,
+            "warmup": self.warmup,
+        }
+        if self.nodes is not None:
+            line["nodes"] = self.nodes
+            line["per_node_us"] = round(self.per_node_us or 0.0, 4)
+        line["value"] = self.value
+        line.update(self.extras)
+        return line
+
+
+async def run_case(case: Case) -> float:
+    """One untimed ``prepare`` and one ``run``; returns the run's (finite) value."""
+    case.prepare()
+    value = case.run()
+    if inspect.isawaitable(value):
+        value = await value
+    return float(value)
+
+
+async def measure(name: str, impl: str, case: Case, warmup: int, repeats: int) -> Result:
+    times: list[float] = []
+    value = math.nan
+    for i in range(warmup + repeats):
+        case.prepare()
+        start = time.perf_counter()
+        outcome = case.run()
+        if inspect.isawaitable(outcome):
+            outcome = await outcome
+        elapsed = time.perf_counter() - start
+        value = float(outcome)
+        if not math.isfinite(value):
+            raise FloatingPointError(f"{name}/{impl}: repeat {i} gave {value}")
+        if i >= warmup:
+            times.append(elapsed)
+    return Result(
+        name=name,
+        impl=impl,
+        median_s=statistics.median(times),
+        min_s=min(times),
+        max_s=max(times),
+        repeats=repeats,
+        warmup=warmup,
+        nodes=case.nodes,
+        value=value,
+        extras=case.extras(),
+    )
+
+
+def blas_threads() -> int | None:
+    """Threads NumPy's OpenBLAS uses, asked from the library itself when it can be found."""
+    import ctypes
+    import glob
+
+    libs = glob.glob(os.path.join(os.path.dirname(np.__file__) + ".libs", "*openblas*"))
+    for path in libs:
+        lib = ctypes.CDLL(path)
+        for symbol in (
+            "scipy_openblas_get_num_threads64_",
+            "scipy_openblas_get_num_threads",
+            "openblas_get_num_threads64_",
+            "openblas_get_num_threads",
+        ):
+            getter = getattr(lib, symbol, None)
+            if getter is not None:
+                return int(getter())
+    return None
+
+
+def environment(threads: int, loop: str) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "cpu_count": os.cpu_count(),
+        "numpy": np.__version__,
+        "numpy_blas_threads": blas_threads(),
+        "aioautograd": ag.__version__,
+        "engine_cpu_threads": ag.get_default_engine().num_cpu_threads,
+        "event_loop": loop,
+        "threads_requested": threads,
+    }
+    try:
+        import torch
+    except ImportError:
+        env["torch"] = None
+    else:
+        torch.set_num_threads(threads)
+        with contextlib.suppress(RuntimeError):  # already set once parallel work started
+            torch.set_num_interop_threads(1)
+        env["torch"] = torch.__version__
+        env["torch_threads"] = torch.get_num_threads()
+        env["torch_interop_threads"] = torch.get_num_interop_threads()
+    for optional in ("autograd", "mygrad"):
+        try:
+            module = __import__(optional)
+        except ImportError:
+            env[optional] = None
+        else:
+            env[optional] = getattr(module, "__version__", "unknown")
+    return env
+
+
+def _emit(line: dict[str, Any]) -> None:
+    print(json.dumps(line), flush=True)
+
+
+async def run_workload(workload: Workload, size: str) -> list[Result]:
+    params = workload.sizes[size]
+    warmup, repeats = workload.repeats[size]
+    results = []
+    for impl in workload.impls:
+        missing = impl.missing()
+        if missing:
+            _emit({"name": workload.name, "impl": impl.name, "skipped": f"missing {missing}"})
+            continue
+        result = await measure(workload.name, impl.name, impl.factory(params), warmup, repeats)
+        line = result.as_json()
+        line["params"] = params
+        _emit(line)
+        results.append(result)
+    return results
+
+
+async def run_all(workloads: list[Workload], size: str, threads: int, loop: str) -> None:
+    _emit({"env": environment(threads, loop)})
+    results: dict[str, list[Result]] = {}
+    for workload in workloads:
+        results[workload.name] = await run_workload(workload, size)
+    print()
+    print(markdown_table(results))
+    sys.stdout.flush()
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds >= 1.0:
+        return f"{seconds:.3g} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} µs"
+
+
+def markdown_table(results: dict[str, list[Result]]) -> str:
+    """One row per figure: medians of every implementation and the subject's ratios."""
+    baselines: list[str] = []
+    for row in results.values():
+        for result in row:
+            if result.impl != SUBJECT and result.impl not in baselines:
+                baselines.append(result.impl)
+    header = ["figure", SUBJECT, *baselines, *(f"{SUBJECT} / {b}" for b in baselines)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, row in results.items():
+        by_impl = {r.impl: r for r in row}
+        subject = by_impl.get(SUBJECT)
+
+        def cell(impl: str, by_impl: dict[str, Result] = by_impl) -> str:
+            result = by_impl.get(impl)
+            if result is None:
+                return "—"
+            text = format_seconds(result.median_s)
+            if result.per_node_us is not None:
+                text += f" ({result.per_node_us:.3g} µs/node)"
+            return text
+
+        ratios = []
+        for baseline in baselines:
+            other = by_impl.get(baseline)
+            if subject is None or other is None:
+                ratios.append("—")
+            else:
+                ratios.append(f"{subject.median_s / other.median_s:.2f}x")
+        cells = [name, cell(SUBJECT), *(cell(b) for b in baselines), *ratios]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
