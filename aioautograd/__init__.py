@@ -9,7 +9,7 @@ from aioautograd.tensor import Tensor  # isort: skip
 
 import numpy as _np
 
-from aioautograd import nn
+from aioautograd import graph, nn
 from aioautograd.anomaly_mode import (
     detect_anomaly,
     is_anomaly_check_nan_enabled,
@@ -52,6 +52,7 @@ from aioautograd.grad_mode import (
 )
 from aioautograd.gradcheck import GradcheckError, gradcheck, gradgradcheck
 from aioautograd.ops.arithmetic import add, div, maximum, minimum, mul, neg, pow, sub, where
+from aioautograd.ops.indexing import gather, index_select
 from aioautograd.ops.linalg import matmul
 from aioautograd.ops.reduction import (
     log_softmax,
@@ -64,10 +65,15 @@ from aioautograd.ops.reduction import (
     var,
 )
 from aioautograd.ops.shape import (
+    cat,
+    chunk,
     expand,
+    flatten,
     permute,
     reshape,
+    split,
     squeeze,
+    stack,
     transpose,
     unsqueeze,
 )
@@ -115,7 +121,9 @@ __all__ = [
     "backward",
     "backward_sync",
     "bool_",
+    "cat",
     "checkpoint",
+    "chunk",
     "clamp",
     "cos",
     "detect_anomaly",
@@ -125,6 +133,7 @@ __all__ = [
     "enable_grad",
     "exp",
     "expand",
+    "flatten",
     "float16",
     "float32",
     "float64",
@@ -132,6 +141,7 @@ __all__ = [
     "from_numpy",
     "full",
     "full_like",
+    "gather",
     "gelu",
     "get_default_engine",
     "grad",
@@ -139,6 +149,8 @@ __all__ = [
     "grad_sync",
     "gradcheck",
     "gradgradcheck",
+    "graph",
+    "index_select",
     "inference_mode",
     "int32",
     "int64",
@@ -177,8 +189,10 @@ __all__ = [
     "sigmoid",
     "sin",
     "softmax",
+    "split",
     "sqrt",
     "squeeze",
+    "stack",
     "sub",
     "sum",
     "tanh",

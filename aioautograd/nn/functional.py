@@ -63,20 +63,18 @@ def _check_same_device(name: str, *tensors: Tensor | None) -> None:
 
 
 # --------------------------------------------------------------------------- activations
-def relu(input: Tensor) -> Tensor:  # noqa: A002 (PyTorch's name)
+def relu(input: Tensor) -> Tensor:
     """Elementwise ``max(input, 0)``."""
     return unary.relu(input)
 
 
-def gelu(input: Tensor, approximate: str = "none") -> Tensor:  # noqa: A002
+def gelu(input: Tensor, approximate: str = "none") -> Tensor:
     """Gaussian error linear unit: ``x * Phi(x)``, or its ``tanh`` approximation.
 
     Raises:
         ValueError: if ``approximate`` is not ``"none"`` or ``"tanh"``.
     """
-    if approximate not in ("none", "tanh"):
-        raise ValueError(f"approximate argument must be either none or tanh, got {approximate!r}")
-    return unary.gelu(input, approximate=approximate)
+    return unary.gelu(input, approximate)  # type: ignore[arg-type]  # unary.gelu validates
 
 
 def _implicit_softmax_dim(name: str, ndim: int) -> int:
@@ -90,7 +88,7 @@ def _implicit_softmax_dim(name: str, ndim: int) -> int:
     return dim
 
 
-def softmax(input: Tensor, dim: int | None = None, dtype: Any = None) -> Tensor:  # noqa: A002
+def softmax(input: Tensor, dim: int | None = None, dtype: Any = None) -> Tensor:
     """``exp(x) / exp(x).sum(dim)``, computed stably; ``dtype`` casts the input first."""
     if dim is None:
         dim = _implicit_softmax_dim("softmax", input.ndim)
@@ -99,7 +97,7 @@ def softmax(input: Tensor, dim: int | None = None, dtype: Any = None) -> Tensor:
     return reduction.softmax(input, dim)
 
 
-def log_softmax(input: Tensor, dim: int | None = None, dtype: Any = None) -> Tensor:  # noqa: A002
+def log_softmax(input: Tensor, dim: int | None = None, dtype: Any = None) -> Tensor:
     """``x - logsumexp(x, dim)``; ``dtype`` casts the input first."""
     if dim is None:
         dim = _implicit_softmax_dim("log_softmax", input.ndim)
@@ -108,7 +106,7 @@ def log_softmax(input: Tensor, dim: int | None = None, dtype: Any = None) -> Ten
     return reduction.log_softmax(input, dim)
 
 
-def dropout(input: Tensor, p: float = 0.5, training: bool = True) -> Tensor:  # noqa: A002
+def dropout(input: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
     """Zero each element with probability ``p`` and scale the rest by ``1 / (1 - p)``.
 
     The mask is drawn from :func:`aioautograd.factories.generator` (seeded by
@@ -130,7 +128,7 @@ def dropout(input: Tensor, p: float = 0.5, training: bool = True) -> Tensor:  # 
 
 
 # ---------------------------------------------------------------------------- linear
-def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:  # noqa: A002
+def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``input @ weight.T + bias`` with ``weight`` of shape ``(out_features, in_features)``.
 
     ``input`` is ``(*, in_features)``; leading dimensions are folded into one matrix product,
@@ -165,7 +163,7 @@ def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 # ------------------------------------------------------------------------------ losses
 def mse_loss(
-    input: Tensor,  # noqa: A002
+    input: Tensor,
     target: Tensor,
     *,
     reduction: str = "mean",
@@ -210,7 +208,7 @@ class CrossEntropy(Op):
     @staticmethod
     def forward(
         ctx: Any,
-        input: Tensor,  # noqa: A002
+        input: Tensor,
         target: Tensor,
         setup: _CrossEntropySetup,
     ) -> Tensor:
@@ -279,37 +277,33 @@ class _CrossEntropySetup:
         """``(C, 1, ..., 1)``: the weight lined up with the class dimension."""
         return (self.num_classes,) + (1,) * (ndim - self.class_dim - 1)
 
-    def broadcast_weight(self, input: Tensor) -> Tensor | None:  # noqa: A002
+    def broadcast_weight(self, input: Tensor) -> Tensor | None:
         if self.weight is None:
             return None
         return Tensor(self.weight.reshape(self.broadcast_shape(input.ndim)), input.device)
 
 
-def _class_targets(xp: Any, target: Any, setup: _CrossEntropySetup) -> tuple[Any, Any, Any]:
+def _target_weights(
+    xp: Any, target: Any, setup: _CrossEntropySetup, dtype: Any
+) -> tuple[Any, Any, Any]:
     """``(valid, safe_target, target_weight)`` per position: ignored positions are not valid,
     point at class 0 and weigh 0."""
     valid = target != setup.ignore_index
     safe = xp.where(valid, target, 0)
     if setup.weight is None:
-        target_weight = valid.astype(setup.dtype)
-    else:
-        target_weight = xp.where(valid, setup.weight[safe], 0)
-    return valid, safe, target_weight
+        return valid, safe, valid.astype(dtype)
+    return valid, safe, xp.where(valid, setup.weight[safe], 0).astype(dtype, copy=False)
 
 
 def _class_index_losses(
     xp: Any, log_probs: Any, target: Any, setup: _CrossEntropySetup
 ) -> tuple[Any, Any]:
     dim, smoothing = setup.class_dim, setup.label_smoothing
-    valid = target != setup.ignore_index
-    safe = xp.where(valid, target, 0)
-    if safe.size and (bool((safe < 0).any()) or bool((safe >= setup.num_classes).any())):
-        bad = safe[(safe < 0) | (safe >= setup.num_classes)].ravel()[0]
-        raise IndexError(f"Target {int(bad)} is out of bounds.")
-    if setup.weight is None:
-        target_weight = valid.astype(log_probs.dtype)
-    else:
-        target_weight = xp.where(valid, setup.weight[safe], 0).astype(log_probs.dtype)
+    out_of_range = (target < 0) | (target >= setup.num_classes)
+    out_of_range &= target != setup.ignore_index
+    if bool(out_of_range.any()):
+        raise IndexError(f"Target {int(target[out_of_range].ravel()[0])} is out of bounds.")
+    valid, safe, target_weight = _target_weights(xp, target, setup, log_probs.dtype)
     picked = xp.take_along_axis(log_probs, xp.expand_dims(safe, dim), axis=dim)
     losses = -(1.0 - smoothing) * target_weight * picked.squeeze(dim)
     if smoothing:
@@ -322,20 +316,16 @@ def _class_index_losses(
 
 
 def _class_index_distribution(
-    input: Tensor,  # noqa: A002
+    input: Tensor,
     target: Tensor,
     setup: _CrossEntropySetup,
 ) -> tuple[Tensor, Tensor]:
     """The constant ``q`` (input's shape) and ``sum_c q`` (class dim kept) of class targets."""
     xp, dim, smoothing = input.xp, setup.class_dim, setup.label_smoothing
-    valid = target.data != setup.ignore_index
-    safe = xp.where(valid, target.data, 0)
+    valid, safe, target_weight = _target_weights(xp, target.data, setup, input.dtype)
     if setup.weight is None:
-        target_weight = valid.astype(input.dtype)
-        weight_sum = setup.num_classes
-        weight = 1.0
+        weight_sum, weight = setup.num_classes, 1.0
     else:
-        target_weight = xp.where(valid, setup.weight[safe], 0).astype(input.dtype)
         weight_sum = setup.weight.sum()
         weight = setup.weight.reshape(setup.broadcast_shape(input.ndim))
     classes = xp.arange(setup.num_classes).reshape(setup.broadcast_shape(input.ndim))
@@ -364,7 +354,7 @@ def _probability_losses(
 
 
 def cross_entropy(
-    input: Tensor,  # noqa: A002
+    input: Tensor,
     target: Tensor,
     weight: Tensor | None = None,
     *,
@@ -449,12 +439,15 @@ class Embedding(Op):
     @staticmethod
     def forward(ctx: Any, weight: Tensor, indices: Tensor, padding_idx: int | None) -> Tensor:
         if ctx.needs_input_grad:
-            ctx.indices, ctx.num_weights, ctx.padding_idx = indices, weight.shape[0], padding_idx
+            ctx.save_for_backward(indices)
+            ctx.num_weights, ctx.padding_idx = weight.shape[0], padding_idx
         return Tensor(weight.xp.take(weight.data, indices.data, axis=0), weight.device)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return EmbeddingBackward.apply(grad, ctx.indices, ctx.num_weights, ctx.padding_idx), None, None
+        (indices,) = ctx.saved_tensors
+        grad_weight = EmbeddingBackward.apply(grad, indices, ctx.num_weights, ctx.padding_idx)
+        return grad_weight, None, None
 
 
 class EmbeddingBackward(Op):
@@ -465,7 +458,8 @@ class EmbeddingBackward(Op):
         ctx: Any, grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int | None
     ) -> Tensor:
         if ctx.needs_input_grad:
-            ctx.indices, ctx.num_weights, ctx.padding_idx = indices, num_weights, padding_idx
+            ctx.save_for_backward(indices)
+            ctx.num_weights, ctx.padding_idx = num_weights, padding_idx
         xp = grad.xp
         width = grad.shape[indices.ndim :]
         out = xp.zeros((num_weights, *width), dtype=grad.dtype)
@@ -482,11 +476,12 @@ class EmbeddingBackward(Op):
             keep = grad.xp.ones((ctx.num_weights,) + (1,) * (grad.ndim - 1), dtype=grad.dtype)
             keep[ctx.padding_idx] = 0
             grad = grad * Tensor(keep, grad.device)
-        return Embedding.apply(grad, ctx.indices, ctx.padding_idx), None, None, None
+        (indices,) = ctx.saved_tensors
+        return Embedding.apply(grad, indices, ctx.padding_idx), None, None, None
 
 
 def embedding(
-    input: Tensor,  # noqa: A002
+    input: Tensor,
     weight: Tensor,
     padding_idx: int | None = None,
 ) -> Tensor:
@@ -515,16 +510,14 @@ def embedding(
                 f"padding_idx must be within num_embeddings ({num_weights}), got {padding_idx}"
             )
         padding_idx %= num_weights
-    if input.numel() and (
-        bool((input.data < 0).any()) or bool((input.data >= num_weights).any())
-    ):
+    if input.numel() and (bool((input.data < 0).any()) or bool((input.data >= num_weights).any())):
         raise IndexError(f"index out of range in self (num_embeddings is {num_weights})")
     return Embedding.apply(weight, input, padding_idx)  # type: ignore[no-any-return]
 
 
 # -------------------------------------------------------------------------- layer_norm
 def layer_norm(
-    input: Tensor,  # noqa: A002
+    input: Tensor,
     normalized_shape: int | Sequence[int],
     weight: Tensor | None = None,
     bias: Tensor | None = None,
@@ -664,7 +657,9 @@ def _conv_padding(
         if padding == "valid":
             return (0, 0), (0, 0)
         if padding != "same":
-            raise ValueError(f"Invalid padding string {padding!r}, should be one of 'valid', 'same'")
+            raise ValueError(
+                f"Invalid padding string {padding!r}, should be one of 'valid', 'same'"
+            )
         if stride != (1, 1):
             raise ValueError("padding='same' is not supported for strided convolutions")
         # As PyTorch: the odd pixel of an even total goes to the bottom/right.
@@ -680,7 +675,7 @@ def _conv_padding(
 
 
 def conv2d(
-    input: Tensor,  # noqa: A002
+    input: Tensor,
     weight: Tensor,
     bias: Tensor | None = None,
     stride: int | Sequence[int] = 1,

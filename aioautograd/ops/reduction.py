@@ -128,16 +128,14 @@ class _Extreme(Op):
         xp = x.xp
         # NaN wins (max/min propagate it); a NaN result means x has no other winner.
         mask = xp.logical_or(xp.equal(x.data, out.data), xp.isnan(x.data))
-        count = int(xp.count_nonzero(mask))
+        count = mask.sum(dtype=grad.dtype)  # stays on the device
         return where(Tensor(mask, x.device), grad / count, 0.0), None
 
 
-class Max(_Extreme):
-    pass
-
-
-class Min(_Extreme):
-    pass
+# PyTorch names the full reduction's node MaxBackward1 and the one along a dim MaxBackward0,
+# so both op classes must be called Max (and Min): build the full ones with type().
+MaxAll: type[_Extreme] = type("Max", (_Extreme,), {"_node_suffix": "Backward1"})
+MinAll: type[_Extreme] = type("Min", (_Extreme,), {"_node_suffix": "Backward1"})
 
 
 class _ExtremeDim(Op):
@@ -191,34 +189,26 @@ class _ExtremeDim(Op):
         return where(hit, grad, 0.0), None, None, None
 
 
-class MaxDim(_ExtremeDim):
+class Max(_ExtremeDim):
     pass
 
 
-class MinDim(_ExtremeDim):
+class Min(_ExtremeDim):
     pass
 
 
 class Var(Op):
     @staticmethod
     def forward(
-        ctx: Any, x: Tensor, dims: tuple[int, ...], correction: float, keepdim: bool
+        ctx: Any, x: Tensor, dims: tuple[int, ...], divisor: float, keepdim: bool
     ) -> Tensor:
         xp, data = x.xp, x.data
         axis = dims if x.ndim else None
-        count = _count(x.shape, dims)
-        divisor = builtins.max(count - correction, 0)
-        if divisor == 0:
-            warnings.warn(
-                "var(): degrees of freedom is <= 0. Correction should be strictly less than "
-                "the reduction factor (input numel divided by output numel).",
-                RuntimeWarning,
-                stacklevel=4,
-            )
         deviation = data - xp.mean(data, axis=axis, keepdims=True)
         squares = xp.sum(deviation * deviation, axis=axis, keepdims=keepdim)
-        # PyTorch divides by zero degrees of freedom without complaint: 0/0 is nan, s/0 inf.
-        out = squares / divisor if divisor else squares * math.inf
+        # With no degrees of freedom left, PyTorch returns 0/0 = nan (or s/0 = inf).
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out = squares / divisor
         ctx.save_for_backward(x)
         ctx.dims, ctx.keepdim, ctx.divisor = dims, keepdim, divisor
         return wrap(out, x.device)
@@ -232,7 +222,7 @@ class Var(Op):
         return _expand_back(grad, x.shape, dims, keepdim) * (scale * deviation), None, None, None
 
 
-class LogSumExp(Op):
+class Logsumexp(Op):
     @staticmethod
     def forward(ctx: Any, x: Tensor, dims: tuple[int, ...], keepdim: bool) -> Tensor:
         xp, data = x.xp, x.data
@@ -347,8 +337,8 @@ def max(x: Tensor, dim: int | Tensor | None = None, keepdim: bool = False) -> An
         return maximum(x, dim)
     if dim is None:
         _check_no_keepdim("max", keepdim)
-        return Max.apply(x, True)
-    return MaxResult(*MaxDim.apply(x, dim, keepdim, True))
+        return MaxAll.apply(x, True)
+    return MaxResult(*Max.apply(x, dim, keepdim, True))
 
 
 def min(x: Tensor, dim: int | Tensor | None = None, keepdim: bool = False) -> Any:
@@ -361,8 +351,8 @@ def min(x: Tensor, dim: int | Tensor | None = None, keepdim: bool = False) -> An
         return minimum(x, dim)
     if dim is None:
         _check_no_keepdim("min", keepdim)
-        return Min.apply(x, False)
-    return MinResult(*MinDim.apply(x, dim, keepdim, False))
+        return MinAll.apply(x, False)
+    return MinResult(*Min.apply(x, dim, keepdim, False))
 
 
 def _check_no_keepdim(name: str, keepdim: bool) -> None:
@@ -395,7 +385,16 @@ def var(
         raise RuntimeError("var(): cannot specify both unbiased and correction")
     if correction is None:
         correction = 1 if unbiased is None or unbiased else 0
-    return Var.apply(x, normalize_dims(dim, x.ndim), correction, keepdim)  # type: ignore[no-any-return]
+    dims = normalize_dims(dim, x.ndim)
+    divisor = builtins.max(_count(x.shape, dims) - correction, 0)
+    if divisor == 0:
+        warnings.warn(
+            "var(): degrees of freedom is <= 0. Correction should be strictly less than the "
+            "reduction factor (input numel divided by output numel).",
+            UserWarning,
+            stacklevel=2,
+        )
+    return Var.apply(x, dims, divisor, keepdim)  # type: ignore[no-any-return]
 
 
 def logsumexp(x: Tensor, dim: Dims, keepdim: bool = False) -> Tensor:
@@ -403,7 +402,7 @@ def logsumexp(x: Tensor, dim: Dims, keepdim: bool = False) -> Tensor:
 
     Slices that are all ``-inf`` give ``-inf``.
     """
-    return LogSumExp.apply(x, normalize_dims(dim, x.ndim), keepdim)  # type: ignore[no-any-return]
+    return Logsumexp.apply(x, normalize_dims(dim, x.ndim), keepdim)  # type: ignore[no-any-return]
 
 
 def softmax(x: Tensor, dim: int) -> Tensor:

@@ -164,9 +164,9 @@ class Relu(Op):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        # PyTorch's threshold_backward: the gradient passes where the output is positive.
+        # PyTorch's threshold_backward: the gradient stops where the output is <= 0.
         out: Tensor = ctx.saved_tensors[0]
-        return where(Tensor(out.data > 0, out.device), grad, 0.0)
+        return where(Tensor(out.data <= 0, out.device), 0.0, grad)
 
 
 class Erf(Op):
@@ -213,6 +213,8 @@ class Gelu(Op):
 
 
 class Clamp(Op):
+    _node_suffix = "Backward1"  # PyTorch's node for scalar bounds (ClampBackward0 takes tensors)
+
     @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor, low: float | None, high: float | None) -> Tensor:
         xp = x.xp
@@ -308,6 +310,8 @@ def _erf(xp: Any, x: Array) -> Array:
     All three of Cody's intervals are evaluated on clipped copies of ``|x|`` (so none
     overflows) and the right one is selected per element.
     """
+    if x.dtype.kind in "biu":
+        x = x.astype(xp.float64)
     y = xp.abs(x)
 
     small = xp.clip(x, -0.46875, 0.46875)

@@ -1,0 +1,116 @@
+"""The flagship demo: train an MLP on two interleaved spirals with ``await loss.backward()``
+while a heartbeat task shows that the event loop never stalls.
+
+Run with ``make demo`` or ``python -m aioautograd.examples.demo [--steps N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import numpy as np
+
+import aioautograd as ag
+from aioautograd.nn import functional as F
+
+
+def make_spirals(n_per_class: int, classes: int, seed: int) -> tuple[ag.Tensor, ag.Tensor]:
+    """Points on ``classes`` interleaved spiral arms, with labels."""
+    rng = np.random.default_rng(seed)
+    points, labels = [], []
+    for c in range(classes):
+        radius = np.linspace(0.05, 1.0, n_per_class)
+        angle = np.linspace(c * 4.0, (c + 1) * 4.0, n_per_class) + rng.normal(0, 0.2, n_per_class)
+        points.append(np.stack([radius * np.sin(angle), radius * np.cos(angle)], axis=1))
+        labels.append(np.full(n_per_class, c))
+    return (
+        ag.tensor(np.concatenate(points), dtype="float32"),
+        ag.tensor(np.concatenate(labels), dtype="int64"),
+    )
+
+
+def init_mlp(sizes: list[int], seed: int) -> list[ag.Tensor]:
+    rng = np.random.default_rng(seed)
+    params = []
+    for fan_in, fan_out in zip(sizes[:-1], sizes[1:], strict=True):
+        bound = 1 / np.sqrt(fan_in)
+        params.append(ag.tensor(rng.uniform(-bound, bound, (fan_out, fan_in)), dtype="float32",
+                                requires_grad=True))
+        params.append(ag.tensor(rng.uniform(-bound, bound, fan_out), dtype="float32",
+                                requires_grad=True))
+    return params
+
+
+def forward(params: list[ag.Tensor], x: ag.Tensor) -> ag.Tensor:
+    h = x
+    for i in range(0, len(params) - 2, 2):
+        h = F.relu(F.linear(h, params[i], params[i + 1]))
+    return F.linear(h, params[-2], params[-1])
+
+
+@ag.no_grad()
+def sgd_step(params: list[ag.Tensor], velocity: list[ag.Tensor], lr: float) -> None:
+    for p, v in zip(params, velocity, strict=True):
+        assert p.grad is not None
+        v.mul_(0.9).add_(p.grad)
+        p.sub_(v, alpha=lr)
+        p.grad = None
+
+
+async def heartbeat(stop: asyncio.Event, gaps: list[float], period: float = 0.001) -> None:
+    """Tick every millisecond and record how late each tick was."""
+    last = time.perf_counter()
+    while not stop.is_set():
+        await asyncio.sleep(period)
+        now = time.perf_counter()
+        gaps.append(now - last - period)
+        last = now
+
+
+async def train(steps: int) -> float:
+    x, y = make_spirals(300, 3, seed=0)
+    params = init_mlp([2, 128, 128, 3], seed=1)
+    velocity = [ag.zeros_like(p) for p in params]
+    stop, gaps = asyncio.Event(), []
+    beat = asyncio.create_task(heartbeat(stop, gaps))
+    print(f"training a 2-128-128-3 MLP on {len(x)} spiral points, {steps} steps")
+    start = time.perf_counter()
+    try:
+        for step in range(steps + 1):
+            loss = F.cross_entropy(forward(params, x), y)
+            await loss.backward()
+            sgd_step(params, velocity, lr=0.1)
+            if step % (steps // 10 or 1) == 0:
+                with ag.no_grad():
+                    accuracy = (forward(params, x).argmax(1) == y).numpy().mean()
+                print(f"step {step:4d}  loss {loss.item():.4f}  accuracy {accuracy:6.1%}")
+    finally:
+        stop.set()
+        await beat
+    elapsed = time.perf_counter() - start
+    print(
+        f"{steps} steps in {elapsed:.2f} s. Meanwhile a 1 ms heartbeat task on the same event "
+        f"loop ticked {len(gaps)} times (median delay {np.median(gaps) * 1e3:.2f} ms, longest "
+        f"{max(gaps) * 1e3:.1f} ms): backward passes ran on executor threads, while the "
+        "forward passes of this demo ran in the training coroutine itself."
+    )
+    return float(loss.item())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args()
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    runner(train(args.steps))
+
+
+if __name__ == "__main__":
+    main()
