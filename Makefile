@@ -9,7 +9,7 @@ $(BIN)/python:
 	$(BIN)/pip install --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -e .
+	$(BIN)/pip install -e ".[viz]"
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python

@@ -9,7 +9,7 @@ from aioautograd.tensor import Tensor  # isort: skip
 
 import numpy as _np
 
-from aioautograd import graph, nn
+from aioautograd import graph, nn, profiler
 from aioautograd.anomaly_mode import (
     detect_anomaly,
     is_anomaly_check_nan_enabled,
@@ -176,6 +176,7 @@ __all__ = [
     "ones_like",
     "permute",
     "pow",
+    "profiler",
     "queue_callback",
     "rand",
     "rand_like",

@@ -64,33 +64,47 @@ async def run_case(case: Case) -> float:
     return float(value)
 
 
-async def measure(name: str, impl: str, case: Case, warmup: int, repeats: int) -> Result:
-    times: list[float] = []
-    value = math.nan
-    for i in range(warmup + repeats):
-        case.prepare()
-        start = time.perf_counter()
-        outcome = case.run()
-        if inspect.isawaitable(outcome):
-            outcome = await outcome
-        elapsed = time.perf_counter() - start
-        value = float(outcome)
-        if not math.isfinite(value):
-            raise FloatingPointError(f"{name}/{impl}: repeat {i} gave {value}")
-        if i >= warmup:
-            times.append(elapsed)
-    return Result(
-        name=name,
-        impl=impl,
-        median_s=statistics.median(times),
-        min_s=min(times),
-        max_s=max(times),
-        repeats=repeats,
-        warmup=warmup,
-        nodes=case.nodes,
-        value=value,
-        extras=case.extras(),
-    )
+async def measure(name: str, cases: dict[str, Case], warmup: int, repeats: int) -> list[Result]:
+    """Time ``cases`` (implementation name -> case) in interleaved rounds.
+
+    Each round runs every case once, starting from a different case each round, so that a
+    burst of background load or a cache left warm by the previous case falls on all of them
+    alike and the ratios stay fair on a shared machine.
+    """
+    impls = list(cases)
+    times: dict[str, list[float]] = {impl: [] for impl in impls}
+    values: dict[str, float] = {}
+    for round_index in range(warmup + repeats):
+        shift = round_index % len(impls)
+        for impl in impls[shift:] + impls[:shift]:
+            case = cases[impl]
+            case.prepare()
+            start = time.perf_counter()
+            outcome = case.run()
+            if inspect.isawaitable(outcome):
+                outcome = await outcome
+            elapsed = time.perf_counter() - start
+            value = float(outcome)
+            if not math.isfinite(value):
+                raise FloatingPointError(f"{name}/{impl}: round {round_index} gave {value}")
+            values[impl] = value
+            if round_index >= warmup:
+                times[impl].append(elapsed)
+    return [
+        Result(
+            name=name,
+            impl=impl,
+            median_s=statistics.median(times[impl]),
+            min_s=min(times[impl]),
+            max_s=max(times[impl]),
+            repeats=repeats,
+            warmup=warmup,
+            nodes=cases[impl].nodes,
+            value=values[impl],
+            extras=cases[impl].extras(),
+        )
+        for impl in impls
+    ]
 
 
 def blas_threads() -> int | None:
@@ -126,6 +140,7 @@ def environment(threads: int, loop: str) -> dict[str, Any]:
         "engine_cpu_threads": ag.get_default_engine().num_cpu_threads,
         "event_loop": loop,
         "threads_requested": threads,
+        "loadavg": os.getloadavg(),
     }
     try:
         import torch
@@ -155,25 +170,27 @@ def _emit(line: dict[str, Any]) -> None:
 async def run_workload(workload: Workload, size: str) -> list[Result]:
     params = workload.sizes[size]
     warmup, repeats = workload.repeats[size]
-    results = []
+    cases: dict[str, Case] = {}
     for impl in workload.impls:
         missing = impl.missing()
         if missing:
             _emit({"name": workload.name, "impl": impl.name, "skipped": f"missing {missing}"})
-            continue
-        result = await measure(workload.name, impl.name, impl.factory(params), warmup, repeats)
-        line = result.as_json()
-        line["params"] = params
-        _emit(line)
-        results.append(result)
+        else:
+            cases[impl.name] = impl.factory(params)
+    results = await measure(workload.name, cases, warmup, repeats)
+    for result in results:
+        _emit({**result.as_json(), "params": params})
     return results
 
 
 async def run_all(workloads: list[Workload], size: str, threads: int, loop: str) -> None:
+    start = time.perf_counter()
     _emit({"env": environment(threads, loop)})
     results: dict[str, list[Result]] = {}
     for workload in workloads:
         results[workload.name] = await run_workload(workload, size)
+    # Load average at the end: a busy machine (other jobs) shows here.
+    _emit({"done": {"wall_s": round(time.perf_counter() - start, 1), "loadavg": os.getloadavg()}})
     print()
     print(markdown_table(results))
     sys.stdout.flush()

@@ -51,7 +51,8 @@ def test_mlp_data_is_deterministic() -> None:
 async def test_measure_and_table() -> None:
     workload = REGISTRY["chain"]
     impl = next(i for i in workload.impls if i.name == SUBJECT)
-    result = await measure("chain", SUBJECT, impl.factory(workload.sizes["tiny"]), 0, 2)
+    cases = {SUBJECT: impl.factory(workload.sizes["tiny"])}
+    (result,) = await measure("chain", cases, 0, 2)
     assert result.repeats == 2
     assert result.as_json()["per_node_us"] >= 0
     assert "| chain |" in markdown_table({"chain": [result]})

@@ -136,9 +136,8 @@ class Engine:
         min_topo_nr = (
             min((e[0].topological_nr for e in outputs if e[0]), default=0) if (outputs) else 0
         )
-        graph_task.compute_dependencies(root, min_topo_nr)
-        if outputs is not None:
-            graph_task.init_to_execute(root, outputs, accumulate_grad, min_topo_nr)
+        # The graph walks run on the executor with the first task, not on the event loop.
+        graph_task.pending_analysis = (root, outputs, accumulate_grad, min_topo_nr)
         return graph_task, first, buffer_device(list(checked))
 
     async def execute(

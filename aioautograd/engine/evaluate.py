@@ -9,6 +9,7 @@ tasks ready. All of it runs on the executor thread.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,8 @@ def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTas
     node = task.node
     inputs = task.inputs
     try:
+        if graph_task.pending_analysis is not None:  # first task: only one exists, no race
+            graph_task.analyse()
         if task.outputs is not None:  # an async node finished on the loop
             outputs = _finish_outputs(graph_task, node, task.outputs, inputs)
         else:
@@ -81,17 +84,28 @@ def _call_function(
             graph_task.start_async_node(node, inputs)
             return None
         outputs = asyncio.run(node.apply(inputs))  # type: ignore[arg-type]
-    elif graph_task.anomaly.enabled:
-        token = current_node.set(node)
-        try:
-            with node._lock:
-                outputs = node.apply(inputs)
-        finally:
-            current_node.reset(token)
+    elif graph_task.anomaly.enabled or graph_task.profiler is not None:
+        outputs = _apply_observed(graph_task, node, inputs, device)
     else:
         with node._lock:
             outputs = node.apply(inputs)
     return _finish_outputs(graph_task, node, outputs, inputs)
+
+
+def _apply_observed(
+    graph_task: GraphTask, node: Node, inputs: Grads, device: Device
+) -> Sequence[Tensor | None]:
+    """``node.apply`` under anomaly mode (parent tracking) and/or the profiler."""
+    token = current_node.set(node) if graph_task.anomaly.enabled else None
+    start = time.perf_counter_ns()
+    try:
+        with node._lock:
+            return node.apply(inputs)
+    finally:
+        if token is not None:
+            current_node.reset(token)
+        if graph_task.profiler is not None:
+            graph_task.profiler.record(node, graph_task.id, device, start)
 
 
 def _finish_outputs(

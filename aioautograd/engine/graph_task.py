@@ -23,6 +23,7 @@ from aioautograd.autograd.node import AccumulateGrad, Edge, Node
 from aioautograd.autograd.saved import describe
 from aioautograd.engine.ready_queue import DEPTH_SHIFT, NodeTask, ReadyQueue
 from aioautograd.grad_mode import _grad_enabled
+from aioautograd.profiler.recorder import active_profiler
 
 if TYPE_CHECKING:
     from aioautograd.devices.device import Device
@@ -85,6 +86,7 @@ class GraphTask:
         self.dependencies: dict[Node, int] = {}
         self.not_ready: dict[Node, list[Tensor | None]] = {}
         self.exec_info: dict[Node, ExecInfo] | None = None
+        self.pending_analysis: tuple[Node, Sequence[Edge] | None, bool, int] | None = None
         self.captured_vars: list[Tensor | None] = []
         self.has_error = False
         self.error: BaseException | None = None
@@ -96,11 +98,23 @@ class GraphTask:
         self._done_event: threading.Event | None = None
         self._async_context: contextvars.Context | None = None
         self._async_tasks: set[asyncio.Task[None]] = set()
+        recorder = active_profiler.get()
+        self.profiler = recorder if recorder is not None or parent is None else parent.profiler
 
     def __repr__(self) -> str:
         return f"<GraphTask {self.id} depth={self.reentrant_depth}>"
 
     # ------------------------------------------------------------------ graph analysis
+    def analyse(self) -> None:
+        """Run the pending graph walks (dependencies, exec_info) before the first node."""
+        pending = self.pending_analysis
+        assert pending is not None
+        self.pending_analysis = None
+        root, outputs, accumulate_grad, min_topo_nr = pending
+        self.compute_dependencies(root, min_topo_nr)
+        if outputs is not None:
+            self.init_to_execute(root, outputs, accumulate_grad, min_topo_nr)
+
     def compute_dependencies(self, root: Node, min_topo_nr: int) -> None:
         """Count, for each node reachable from ``root``, the edges that lead into it."""
         dependencies = self.dependencies

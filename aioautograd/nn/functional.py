@@ -197,6 +197,28 @@ def mse_loss(
     return loss
 
 
+@dataclass(frozen=True)
+class _CrossEntropySetup:
+    """The validated, non-tensor arguments of one ``cross_entropy`` call."""
+
+    class_dim: int
+    num_classes: int
+    class_indices: bool
+    weight: Any  # the weight's array, or None
+    ignore_index: int
+    reduction: str
+    label_smoothing: float
+
+    def broadcast_shape(self, ndim: int) -> tuple[int, ...]:
+        """``(C, 1, ..., 1)``: the weight lined up with the class dimension."""
+        return (self.num_classes,) + (1,) * (ndim - self.class_dim - 1)
+
+    def broadcast_weight(self, input: Tensor) -> Tensor | None:
+        if self.weight is None:
+            return None
+        return Tensor(self.weight.reshape(self.broadcast_shape(input.ndim)), input.device)
+
+
 class CrossEntropy(Op):
     """Fused ``log_softmax`` + negative log-likelihood over ``class_dim``.
 
@@ -243,44 +265,24 @@ class CrossEntropy(Op):
         elif setup.reduction == "mean":
             grad = grad / ctx.denominator
         weight = setup.broadcast_weight(input)
-        if setup.class_indices:
-            q, total = _class_index_distribution(input, target, setup)
-        else:
-            q = target * (1.0 - setup.label_smoothing) if setup.label_smoothing else target
-            if setup.label_smoothing:
-                q = q + setup.label_smoothing / setup.num_classes
-            if weight is not None:
-                q = q * weight
-            total = q.sum(dim, keepdim=True)
         needs = ctx.needs_input_grad
-        grad_input = (log_probs.exp() * total - q) * grad if needs[0] else None
-        grad_target = None
-        if needs[1]:
+        grad_input = grad_target = None
+        if needs[0]:
+            if setup.class_indices:
+                q, total = _class_index_distribution(input, target, setup)
+            else:
+                q = target
+                if setup.label_smoothing:
+                    smoothing = setup.label_smoothing
+                    q = q * (1.0 - smoothing) + smoothing / setup.num_classes
+                if weight is not None:
+                    q = q * weight
+                total = q.sum(dim, keepdim=True)
+            grad_input = (log_probs.exp() * total - q) * grad
+        if needs[1]:  # probability targets only: integer targets never require grad
             scale = -(1.0 - setup.label_smoothing)
             grad_target = log_probs * (scale if weight is None else weight * scale) * grad
         return grad_input, grad_target, None
-
-
-@dataclass(frozen=True)
-class _CrossEntropySetup:
-    """The validated, non-tensor arguments of one ``cross_entropy`` call."""
-
-    class_dim: int
-    num_classes: int
-    class_indices: bool
-    weight: Any  # the weight's array, or None
-    ignore_index: int
-    reduction: str
-    label_smoothing: float
-
-    def broadcast_shape(self, ndim: int) -> tuple[int, ...]:
-        """``(C, 1, ..., 1)``: the weight lined up with the class dimension."""
-        return (self.num_classes,) + (1,) * (ndim - self.class_dim - 1)
-
-    def broadcast_weight(self, input: Tensor) -> Tensor | None:
-        if self.weight is None:
-            return None
-        return Tensor(self.weight.reshape(self.broadcast_shape(input.ndim)), input.device)
 
 
 def _target_weights(
@@ -753,7 +755,7 @@ def conv2d(
     geometry = _ConvGeometry(
         (n, channels, height, width), kernel, stride_pair, pad, dilation_pair, output
     )
-    cols = Im2Col.apply(input, geometry)
+    cols: Tensor = Im2Col.apply(input, geometry)
     taps = group_channels * kh * kw
     columns = cols.reshape(groups, taps, n * output[0] * output[1])
     out = weight.reshape(groups, out_channels // groups, taps) @ columns

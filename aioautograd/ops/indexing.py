@@ -23,7 +23,7 @@ def _add_at(out: Any, index: Any, values: Any) -> None:
     if isinstance(out, np.ndarray):
         np.add.at(out, index, values)
     else:
-        import cupyx  # CUDA path only: the CPU path never imports CuPy
+        import cupyx  # type: ignore[import-not-found, unused-ignore]  # CUDA only
 
         cupyx.scatter_add(out, index, values)
 
@@ -31,7 +31,7 @@ def _add_at(out: Any, index: Any, values: Any) -> None:
 def _is_basic(index: Any) -> bool:
     items = index if isinstance(index, tuple) else (index,)
     return all(
-        i is None or i is Ellipsis or isinstance(i, (int, slice)) and not isinstance(i, bool)
+        i is None or i is Ellipsis or (isinstance(i, (int, slice)) and not isinstance(i, bool))
         for i in items
     )
 
@@ -205,8 +205,7 @@ def _check_index(name: str, x: Tensor, index: Any) -> None:
         raise RuntimeError(f"{name}(): Expected dtype int64 for index, got {index.dtype}")
     if index.device is not x.device:
         raise RuntimeError(
-            f"{name}(): Expected index on device {x.device} (that of the input), got "
-            f"{index.device}"
+            f"{name}(): Expected index on device {x.device} (that of the input), got {index.device}"
         )
 
 

@@ -62,8 +62,7 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         b = as_tensor_like(b, a)
     if a.ndim == 0 or b.ndim == 0:
         raise RuntimeError(
-            f"both arguments to matmul need to be at least 1D, but they are {a.ndim}D and "
-            f"{b.ndim}D"
+            f"both arguments to matmul need to be at least 1D, but they are {a.ndim}D and {b.ndim}D"
         )
     inner_a = a.shape[-1]
     inner_b = b.shape[-2] if b.ndim > 1 else b.shape[0]

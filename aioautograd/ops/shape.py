@@ -283,8 +283,7 @@ def _check_same_device(tensors: Sequence[Any], name: str) -> None:
     for i, t in enumerate(tensors):
         if not isinstance(t, Tensor):
             raise TypeError(
-                f"{name}(): expected a sequence of Tensors, but element {i} is "
-                f"{type(t).__name__}"
+                f"{name}(): expected a sequence of Tensors, but element {i} is {type(t).__name__}"
             )
         if t.device is not first.device:
             raise RuntimeError(
@@ -308,9 +307,7 @@ def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
     first = tensors[0]
     for i, t in enumerate(tensors):
         if t.ndim == 0:
-            raise RuntimeError(
-                f"zero-dimensional tensor (at position {i}) cannot be concatenated"
-            )
+            raise RuntimeError(f"zero-dimensional tensor (at position {i}) cannot be concatenated")
     d = _dim(dim, first.ndim)
     for i, t in enumerate(tensors):
         if t.ndim != first.ndim:

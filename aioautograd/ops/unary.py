@@ -96,9 +96,19 @@ class Abs(Op):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        # sign(x) is piecewise constant: a constant of the graph (0 at x == 0, as PyTorch).
+        # sign(0) == 0: no gradient at the kink, as PyTorch.
         x: Tensor = ctx.saved_tensors[0]
-        return grad * Tensor(x.xp.sign(x.data), x.device)
+        return grad * sign(x)
+
+
+class Sign(Op):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor) -> Tensor:
+        return wrap(x.xp.sign(x.data), x.device)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> Tensor:
+        return Tensor(grad.xp.zeros_like(grad.data), grad.device)
 
 
 class Sin(Op):
@@ -164,9 +174,26 @@ class Relu(Op):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        # PyTorch's threshold_backward: the gradient stops where the output is <= 0.
+        return ThresholdBackward.apply(grad, ctx.saved_tensors[0])  # type: ignore[no-any-return]
+
+
+class ThresholdBackward(Op):
+    """ReLU's gradient: ``grad`` where the output is positive, else 0 (PyTorch's
+    ``threshold_backward``). An op of its own so that, as in PyTorch, the gradient stays
+    connected to the output under ``create_graph`` (with a zero second derivative)."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, grad: Tensor, out: Tensor) -> Tensor:
+        ctx.save_for_backward(out)
+        return wrap(grad.xp.where(out.data <= 0, 0, grad.data), grad.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
         out: Tensor = ctx.saved_tensors[0]
-        return where(Tensor(out.data <= 0, out.device), 0.0, grad)
+        needs = ctx.needs_input_grad
+        grad_grad = ThresholdBackward.apply(grad, out) if needs[0] else None
+        grad_out = Tensor(out.xp.zeros_like(out.data), out.device) if needs[1] else None
+        return grad_grad, grad_out
 
 
 class Erf(Op):
@@ -242,11 +269,14 @@ class Clamp(Op):
         return where(Tensor(inside, x.device), grad, 0.0), None, None
 
 
-# Constants of PyTorch's GELU formulas.
-_SQRT1_2 = math.sqrt(0.5)
-_SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
-_INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
-_TWO_OVER_SQRT_PI = 2 / math.sqrt(math.pi)
+# PyTorch's GELU constants, built from the C <math.h> ones as it does (to the last bit).
+_M_SQRT2 = 1.41421356237309504880
+_M_SQRT1_2 = 0.70710678118654752440
+_M_2_SQRTPI = 1.12837916709551257390
+_SQRT1_2 = _M_SQRT1_2
+_SQRT_2_OVER_PI = _M_SQRT2 * _M_2_SQRTPI * 0.5
+_INV_SQRT_2PI = _M_2_SQRTPI * _M_SQRT1_2 * 0.5
+_TWO_OVER_SQRT_PI = _M_2_SQRTPI
 _KAPPA = 0.044715
 
 # W. J. Cody, "Rational Chebyshev approximations for the error function", Math. Comp. 23
@@ -399,6 +429,11 @@ def tanh(x: Tensor) -> Tensor:
 def sigmoid(x: Tensor) -> Tensor:
     """Elementwise logistic function ``1 / (1 + exp(-x))``, computed without overflow."""
     return Sigmoid.apply(x)  # type: ignore[no-any-return]
+
+
+def sign(x: Tensor) -> Tensor:
+    """Elementwise sign: -1, 0 or 1 (NaN stays NaN); its gradient is zero."""
+    return Sign.apply(x)  # type: ignore[no-any-return]
 
 
 def relu(x: Tensor) -> Tensor:

@@ -40,7 +40,8 @@ async def check_against_torch(
         torch_term = (t * torch.from_numpy(weight)).sum()
         loss = term if loss is None else loss + term
         torch_loss = torch_term if torch_loss is None else torch_loss + torch_term
-    assert loss is not None and torch_loss is not None
+    assert loss is not None
+    assert torch_loss is not None
     await loss.backward()
     torch_loss.backward()
     for x, t in zip(ours, theirs, strict=True):

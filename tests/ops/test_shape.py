@@ -25,7 +25,14 @@ def _array(*shape: int, seed: int = 0) -> np.ndarray[Any, Any]:
 
 @pytest.mark.parametrize(
     ("shape", "target"),
-    [((2, 3), (3, 2)), ((2, 3), (-1,)), ((4,), (2, -1)), ((), (1, 1)), ((1, 1), ()), ((0, 3), (3, -1))],
+    [
+        ((2, 3), (3, 2)),
+        ((2, 3), (-1,)),
+        ((4,), (2, -1)),
+        ((), (1, 1)),
+        ((1, 1), ()),
+        ((0, 3), (3, -1)),
+    ],
 )
 async def test_reshape_values_and_grad(
     shape: tuple[int, ...], target: tuple[int, ...], device: str
@@ -33,7 +40,8 @@ async def test_reshape_values_and_grad(
     x = _randn(*shape, device=device)
     y = x.reshape(target)
     assert_close(y, x.detach().cpu().data.reshape(target))
-    assert y.grad_fn is not None and y.grad_fn.name() == "ReshapeBackward0"
+    assert y.grad_fn is not None
+    assert y.grad_fn.name() == "ReshapeBackward0"
     if x.numel():
         assert await ag.gradcheck(lambda t: t.reshape(target), (x,))
         assert await ag.gradgradcheck(lambda t: t.reshape(target) * t.reshape(target), (x,))
@@ -129,7 +137,9 @@ async def test_expand_values_and_grad(
 
 async def test_expand_matches_torch(torch: Any) -> None:
     await check_against_torch(torch, lambda lib, t: t.expand(2, 3, 4) * 1.5, _array(3, 1))
-    await check_against_torch(torch, lambda lib, t, u: t.expand_as(u) * u, _array(1, 4), _array(3, 4))
+    await check_against_torch(
+        torch, lambda lib, t, u: t.expand_as(u) * u, _array(1, 4), _array(3, 4)
+    )
 
 
 def test_expand_errors() -> None:
@@ -145,9 +155,7 @@ def test_expand_errors() -> None:
 # ------------------------------------------------------------ permute / transpose / T / mT
 
 
-@pytest.mark.parametrize(
-    "dims", [(2, 0, 1), (-1, -3, -2), (0, 2, 1), (1, 0, 2)]
-)
+@pytest.mark.parametrize("dims", [(2, 0, 1), (-1, -3, -2), (0, 2, 1), (1, 0, 2)])
 async def test_permute_values_and_grad(dims: tuple[int, ...], device: str) -> None:
     x = _randn(2, 3, 4, device=device)
     y = x.permute(*dims)
@@ -224,7 +232,14 @@ async def test_squeeze(
 
 @pytest.mark.parametrize(
     ("shape", "dim", "expected"),
-    [((2, 3), 0, (1, 2, 3)), ((2, 3), -1, (2, 3, 1)), ((2, 3), 1, (2, 1, 3)), ((2, 3), -3, (1, 2, 3)), ((), 0, (1,)), ((), -1, (1,))],
+    [
+        ((2, 3), 0, (1, 2, 3)),
+        ((2, 3), -1, (2, 3, 1)),
+        ((2, 3), 1, (2, 1, 3)),
+        ((2, 3), -3, (1, 2, 3)),
+        ((), 0, (1,)),
+        ((), -1, (1,)),
+    ],
 )
 async def test_unsqueeze(shape: tuple[int, ...], dim: int, expected: tuple[int, ...]) -> None:
     x = _randn(*shape)
@@ -299,13 +314,12 @@ def test_flatten_rejects_reversed_dims() -> None:
         ([(0, 2), (2, 2)], 0),
     ],
 )
-async def test_cat_values_and_grad(
-    shapes: list[tuple[int, ...]], dim: int, device: str
-) -> None:
+async def test_cat_values_and_grad(shapes: list[tuple[int, ...]], dim: int, device: str) -> None:
     xs = [_randn(*s, device=device) for s in shapes]
     y = ag.cat(xs, dim)
     assert_close(y, np.concatenate([x.detach().cpu().data for x in xs], axis=dim))
-    assert y.grad_fn is not None and y.grad_fn.name() == "CatBackward0"
+    assert y.grad_fn is not None
+    assert y.grad_fn.name() == "CatBackward0"
     assert await ag.gradcheck(lambda *ts: ag.cat(ts, dim), xs)
 
 
@@ -320,7 +334,8 @@ async def test_cat_where_only_some_inputs_require_grad() -> None:
     c = _randn(3, 3)
     weight = np.arange(18.0).reshape(6, 3)
     await (ag.cat([a, b, c]) * weight).sum().backward()
-    assert a.grad is not None and c.grad is not None
+    assert a.grad is not None
+    assert c.grad is not None
     assert b.grad is None
     assert_close(a.grad, weight[:2])
     assert_close(c.grad, weight[3:])
@@ -355,12 +370,15 @@ def test_cat_errors() -> None:
 # ------------------------------------------------------------------------------- stack
 
 
-@pytest.mark.parametrize(("shape", "dim"), [((2, 3), 0), ((2, 3), 2), ((2, 3), -1), ((2, 3), -2), ((), 0)])
+@pytest.mark.parametrize(
+    ("shape", "dim"), [((2, 3), 0), ((2, 3), 2), ((2, 3), -1), ((2, 3), -2), ((), 0)]
+)
 async def test_stack_values_and_grad(shape: tuple[int, ...], dim: int, device: str) -> None:
     xs = [_randn(*shape, device=device) for _ in range(3)]
     y = ag.stack(xs, dim)
     assert_close(y, np.stack([x.detach().cpu().data for x in xs], axis=dim))
-    assert y.grad_fn is not None and y.grad_fn.name() == "StackBackward0"
+    assert y.grad_fn is not None
+    assert y.grad_fn.name() == "StackBackward0"
     assert await ag.gradcheck(lambda *ts: ag.stack(ts, dim), xs)
 
 
@@ -416,11 +434,14 @@ async def test_split_values_and_grad(
     pieces = x.split(size, dim)
     assert [p.shape[dim] for p in pieces] == expected
     boundaries = np.cumsum(expected)[:-1]
-    for piece, ref in zip(pieces, np.split(x.detach().cpu().data, boundaries, axis=dim), strict=True):
+    for piece, ref in zip(
+        pieces, np.split(x.detach().cpu().data, boundaries, axis=dim), strict=True
+    ):
         assert_close(piece, ref)
         assert piece._version_counter is x._version_counter  # views of x
     name = "SplitWithSizesBackward0" if isinstance(size, list) else "SplitBackward0"
-    assert pieces[0].grad_fn is not None and pieces[0].grad_fn.name() == name
+    assert pieces[0].grad_fn is not None
+    assert pieces[0].grad_fn.name() == name
     assert await ag.gradcheck(lambda t: ag.split(t, size, dim), (x,))
 
 
@@ -459,7 +480,14 @@ def test_split_errors() -> None:
 
 @pytest.mark.parametrize(
     ("length", "chunks", "expected"),
-    [(6, 3, [2, 2, 2]), (5, 2, [3, 2]), (5, 4, [2, 2, 1]), (6, 4, [2, 2, 2]), (2, 5, [1, 1]), (0, 3, [0, 0, 0])],
+    [
+        (6, 3, [2, 2, 2]),
+        (5, 2, [3, 2]),
+        (5, 4, [2, 2, 1]),
+        (6, 4, [2, 2, 2]),
+        (2, 5, [1, 1]),
+        (0, 3, [0, 0, 0]),
+    ],
 )
 async def test_chunk_sizes_and_grad(length: int, chunks: int, expected: list[int]) -> None:
     x = _randn(2, length)
