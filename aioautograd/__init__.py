@@ -9,7 +9,7 @@ from aioautograd.tensor import Tensor  # isort: skip
 
 import numpy as _np
 
-from aioautograd import graph, nn, profiler
+from aioautograd import graph, nn, optim, profiler
 from aioautograd.anomaly_mode import (
     detect_anomaly,
     is_anomaly_check_nan_enabled,
@@ -174,6 +174,7 @@ __all__ = [
     "once_differentiable",
     "ones",
     "ones_like",
+    "optim",
     "permute",
     "pow",
     "profiler",

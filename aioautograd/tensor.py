@@ -640,7 +640,7 @@ class Tensor:
     def expand_as(self, other: Tensor) -> Tensor:
         return shape_ops.expand(self, other.shape)
 
-    def squeeze(self, dim: int | None = None) -> Tensor:
+    def squeeze(self, dim: int | Sequence[int] | None = None) -> Tensor:
         return shape_ops.squeeze(self, dim)
 
     def unsqueeze(self, dim: int) -> Tensor:
@@ -656,6 +656,9 @@ class Tensor:
 
     def chunk(self, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
         return shape_ops.chunk(self, chunks, dim)
+
+    def unbind(self, dim: int = 0) -> tuple[Tensor, ...]:
+        return shape_ops.unbind(self, dim)
 
     # ----------------------------------------------------------------------- indexing
     def __getitem__(self, index: Any) -> Tensor:

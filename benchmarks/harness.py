@@ -19,6 +19,9 @@ import numpy as np
 import aioautograd as ag
 from benchmarks.workloads import SUBJECT, Case, Workload
 
+# Table columns: the two baselines SPEC §8 names first, then the optional libraries.
+BASELINE_ORDER = ("torch", "numpy", "autograd", "mygrad")
+
 
 @dataclass
 class Result:
@@ -72,6 +75,8 @@ async def measure(name: str, cases: dict[str, Case], warmup: int, repeats: int) 
     alike and the ratios stay fair on a shared machine.
     """
     impls = list(cases)
+    if not impls:
+        return []
     times: dict[str, list[float]] = {impl: [] for impl in impls}
     values: dict[str, float] = {}
     for round_index in range(warmup + repeats):
@@ -167,11 +172,15 @@ def _emit(line: dict[str, Any]) -> None:
     print(json.dumps(line), flush=True)
 
 
-async def run_workload(workload: Workload, size: str) -> list[Result]:
+async def run_workload(
+    workload: Workload, size: str, impls: set[str] | None = None
+) -> list[Result]:
     params = workload.sizes[size]
     warmup, repeats = workload.repeats[size]
     cases: dict[str, Case] = {}
     for impl in workload.impls:
+        if impls is not None and impl.name not in impls:
+            continue
         missing = impl.missing()
         if missing:
             _emit({"name": workload.name, "impl": impl.name, "skipped": f"missing {missing}"})
@@ -183,16 +192,24 @@ async def run_workload(workload: Workload, size: str) -> list[Result]:
     return results
 
 
-async def run_all(workloads: list[Workload], size: str, threads: int, loop: str) -> None:
+async def run_all(
+    workloads: list[Workload], size: str, threads: int, loop: str, impls: set[str] | None = None
+) -> None:
     start = time.perf_counter()
     _emit({"env": environment(threads, loop)})
     results: dict[str, list[Result]] = {}
     for workload in workloads:
-        results[workload.name] = await run_workload(workload, size)
+        results[workload.name] = await run_workload(workload, size, impls)
     # Load average at the end: a busy machine (other jobs) shows here.
     _emit({"done": {"wall_s": round(time.perf_counter() - start, 1), "loadavg": os.getloadavg()}})
     print()
-    print(markdown_table(results))
+    print("Medians:")
+    print()
+    print(markdown_table(results, "median_s"))
+    print()
+    print("Minima (least disturbed by other load on the machine):")
+    print()
+    print(markdown_table(results, "min_s"))
     sys.stdout.flush()
 
 
@@ -204,13 +221,11 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds * 1e6:.3g} µs"
 
 
-def markdown_table(results: dict[str, list[Result]]) -> str:
-    """One row per figure: medians of every implementation and the subject's ratios."""
-    baselines: list[str] = []
-    for row in results.values():
-        for result in row:
-            if result.impl != SUBJECT and result.impl not in baselines:
-                baselines.append(result.impl)
+def markdown_table(results: dict[str, list[Result]], stat: str = "median_s") -> str:
+    """One row per figure: ``stat`` (``median_s`` or ``min_s``) of every implementation, and
+    the subject's ratios to each baseline."""
+    seen = {r.impl for row in results.values() for r in row} - {SUBJECT}
+    baselines = [b for b in BASELINE_ORDER if b in seen] + sorted(seen - set(BASELINE_ORDER))
     header = ["figure", SUBJECT, *baselines, *(f"{SUBJECT} / {b}" for b in baselines)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, row in results.items():
@@ -221,9 +236,10 @@ def markdown_table(results: dict[str, list[Result]]) -> str:
             result = by_impl.get(impl)
             if result is None:
                 return "—"
-            text = format_seconds(result.median_s)
-            if result.per_node_us is not None:
-                text += f" ({result.per_node_us:.3g} µs/node)"
+            seconds = getattr(result, stat)
+            text = format_seconds(seconds)
+            if result.nodes is not None:
+                text += f" ({seconds / result.nodes * 1e6:.3g} µs/node)"
             return text
 
         ratios = []
@@ -232,7 +248,7 @@ def markdown_table(results: dict[str, list[Result]]) -> str:
             if subject is None or other is None:
                 ratios.append("—")
             else:
-                ratios.append(f"{subject.median_s / other.median_s:.2f}x")
+                ratios.append(f"{getattr(subject, stat) / getattr(other, stat):.2f}x")
         cells = [name, cell(SUBJECT), *(cell(b) for b in baselines), *ratios]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -5,6 +5,7 @@ Usage::
     python benchmarks/run.py                 # full run (a couple of minutes on 2 cores)
     python benchmarks/run.py --quick         # smaller sizes, fewer repeats
     python benchmarks/run.py --only chain --only mlp
+    python benchmarks/run.py --only mlp --impl aioautograd,numpy
     python benchmarks/run.py --threads 1     # BLAS and torch intra-op threads
 
 Every implementation of a figure runs in this one process, one after the other, on the same
@@ -39,6 +40,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run only this workload (repeatable, or comma-separated)",
     )
     parser.add_argument(
+        "--impl",
+        action="append",
+        metavar="NAME",
+        help="run only these implementations (repeatable, or comma-separated)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -69,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         for workload in REGISTRY.values():
             print(f"{workload.name:12} {workload.description}")
         return 0
-    names = [n for item in args.only or [] for n in item.split(",") if n] or list(REGISTRY)
-    unknown = [n for n in names if n not in REGISTRY]
+    requested = {n for item in args.only or [] for n in item.split(",") if n}
+    unknown = sorted(requested - REGISTRY.keys())
     if unknown:
         print(f"unknown workload(s) {unknown}; known: {list(REGISTRY)}", file=sys.stderr)
         return 2
@@ -80,9 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
 
         loop_factory = uvloop.new_event_loop
+    names = [n for n in REGISTRY if not requested or n in requested]  # registry order
+    impls = {n for item in args.impl or [] for n in item.split(",") if n} or None
     size = "quick" if args.quick else "full"
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(harness.run_all([REGISTRY[n] for n in names], size, threads, args.loop))
+        runner.run(harness.run_all([REGISTRY[n] for n in names], size, threads, args.loop, impls))
     return 0
 
 

@@ -66,12 +66,12 @@ def _call_function(
         inputs = _call_tensor_pre_hooks(node, inputs)
     exec_info = graph_task.exec_info
     if exec_info is not None:
-        info = exec_info[node]
-        if info.captures:
+        info = exec_info.get(node)  # the root has no entry when no output is reachable
+        if info is not None and info.captures:
             with graph_task.lock:
                 for input_nr, output_idx in info.captures:
                     graph_task.captured_vars[output_idx] = inputs[input_nr]
-        if not info.needed:
+        if info is None or not info.needed:
             graph_task.task_finished()
             return None
     if node._pre_hooks:

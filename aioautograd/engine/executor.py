@@ -14,6 +14,8 @@ driven by a fresh thread instead, so depth is bounded by neither deadlock nor st
 from __future__ import annotations
 
 import threading
+
+import numpy
 from typing import TYPE_CHECKING
 
 from aioautograd.engine.ready_queue import ReadyQueue
@@ -72,6 +74,9 @@ class Executor:
     def _thread_main(self) -> None:
         worker_state.executor = self
         worker_state.depth = 0
+        # Backward formulas evaluate masked-out branches (pow at 0, log of a clamped value):
+        # like PyTorch, produce inf/nan silently instead of NumPy warnings on this thread.
+        numpy.seterr(all="ignore")
         queue = self.queue
         while True:
             task = queue.pop()

@@ -88,7 +88,7 @@ def _implicit_softmax_dim(name: str, ndim: int) -> int:
     return dim
 
 
-def softmax(input: Tensor, dim: int | None = None, dtype: Any = None) -> Tensor:
+def softmax(input: Tensor, dim: int | None = None, *, dtype: Any = None) -> Tensor:
     """``exp(x) / exp(x).sum(dim)``, computed stably; ``dtype`` casts the input first."""
     if dim is None:
         dim = _implicit_softmax_dim("softmax", input.ndim)
@@ -97,7 +97,7 @@ def softmax(input: Tensor, dim: int | None = None, dtype: Any = None) -> Tensor:
     return reduction.softmax(input, dim)
 
 
-def log_softmax(input: Tensor, dim: int | None = None, dtype: Any = None) -> Tensor:
+def log_softmax(input: Tensor, dim: int | None = None, *, dtype: Any = None) -> Tensor:
     """``x - logsumexp(x, dim)``; ``dtype`` casts the input first."""
     if dim is None:
         dim = _implicit_softmax_dim("log_softmax", input.ndim)
@@ -336,6 +336,7 @@ def _class_index_distribution(
     total = (1.0 - smoothing) * target_weight
     if smoothing:
         uniform = smoothing / setup.num_classes
+        valid = valid.astype(input.dtype)  # bool * float would promote to float64
         q = q + uniform * weight * xp.expand_dims(valid, dim)
         total = total + uniform * weight_sum * valid
     q = q.astype(input.dtype, copy=False)

@@ -357,7 +357,7 @@ def min(x: Tensor, dim: int | Tensor | None = None, keepdim: bool = False) -> An
 
 def _check_no_keepdim(name: str, keepdim: bool) -> None:
     if keepdim:
-        raise TypeError(f"{name}(): keepdim=True requires dim (use amax-style dim=... )")
+        raise TypeError(f"{name}(): keepdim=True needs a dim to keep")
 
 
 def var(

@@ -1,9 +1,8 @@
-"""Elementwise unary ops: ``exp log sqrt abs sin cos tanh sigmoid relu gelu clamp``, plus
-``clone``, dtype casts and device copies."""
+"""Elementwise unary ops: ``exp log sqrt abs sin cos tanh sigmoid relu gelu clamp`` (with the
+``sign`` and ``erf`` they need), plus ``clone``, dtype casts and device copies."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 from aioautograd._typing import Array
@@ -155,7 +154,8 @@ class Sigmoid(Op):
         data = x.data
         # 1 / (1 + exp(-x)) overflows exp for very negative x; the two branches never do.
         e = xp.exp(-xp.abs(data))
-        out = wrap(xp.where(data >= 0, 1 / (1 + e), e / (1 + e)), x.device)
+        denominator = 1 + e
+        out = wrap(xp.where(data >= 0, 1 / denominator, e / denominator), x.device)
         ctx.save_for_backward(out)
         return out
 
@@ -205,7 +205,7 @@ class Erf(Op):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         x: Tensor = ctx.saved_tensors[0]
-        return grad * (_TWO_OVER_SQRT_PI * exp(-(x * x)))
+        return grad * (_M_2_SQRTPI * exp(-(x * x)))
 
 
 class Gelu(Op):
@@ -216,7 +216,7 @@ class Gelu(Op):
             inner = _SQRT_2_OVER_PI * (data + _KAPPA * data * data * data)
             out = 0.5 * data * (1 + xp.tanh(inner))
         else:
-            out = 0.5 * data * (1 + _erf(xp, data * _SQRT1_2))
+            out = 0.5 * data * (1 + _erf(xp, data * _M_SQRT1_2))
         ctx.save_for_backward(x)
         ctx.approximate = approximate  # type: ignore[attr-defined]
         return wrap(out, x.device)
@@ -234,7 +234,7 @@ class Gelu(Op):
                 * (_SQRT_2_OVER_PI * (1 + 3 * _KAPPA * x_sq))
             )
             return grad * (left_derivative + right_derivative), None
-        cdf = 0.5 * (1 + erf(x * _SQRT1_2))
+        cdf = 0.5 * (1 + erf(x * _M_SQRT1_2))
         pdf = _INV_SQRT_2PI * exp(-0.5 * (x * x))
         return grad * (cdf + x * pdf), None
 
@@ -273,10 +273,8 @@ class Clamp(Op):
 _M_SQRT2 = 1.41421356237309504880
 _M_SQRT1_2 = 0.70710678118654752440
 _M_2_SQRTPI = 1.12837916709551257390
-_SQRT1_2 = _M_SQRT1_2
 _SQRT_2_OVER_PI = _M_SQRT2 * _M_2_SQRTPI * 0.5
 _INV_SQRT_2PI = _M_2_SQRTPI * _M_SQRT1_2 * 0.5
-_TWO_OVER_SQRT_PI = _M_2_SQRTPI
 _KAPPA = 0.044715
 
 # W. J. Cody, "Rational Chebyshev approximations for the error function", Math. Comp. 23
@@ -331,7 +329,7 @@ _ERFC_Q = (
     6.05183413124413191e-2,
     2.33520497626869185e-3,
 )
-_INV_SQRT_PI = 1 / math.sqrt(math.pi)
+_INV_SQRT_PI = 5.6418958354775628695e-1
 
 
 def _erf(xp: Any, x: Array) -> Array:

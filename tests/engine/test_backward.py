@@ -250,3 +250,18 @@ async def test_sync_twins_refuse_running_loop() -> None:
         ag.grad_sync(y, x)
     await y.backward()  # nothing was lost
     assert_close(x.grad, np.ones(3))
+
+
+async def test_grad_with_no_path_to_the_input_and_allow_unused() -> None:
+    a = ag.randn(2, dtype="float64", requires_grad=True)
+    b = ag.randn(2, dtype="float64", requires_grad=True)
+    assert await ag.grad(a * 2.0, [b], ag.ones(2, dtype="float64"), allow_unused=True) == (None,)
+    with pytest.raises(RuntimeError, match="appears to not have been used"):
+        await ag.grad(a * 2.0, [b], ag.ones(2, dtype="float64"))
+
+
+async def test_grad_of_output_with_respect_to_itself() -> None:
+    x = ag.randn(3, requires_grad=True)
+    y = x * 2
+    (g,) = await ag.grad(y, y, ag.full((3,), 5.0))
+    assert_close(g, np.full(3, 5.0))

@@ -131,7 +131,9 @@ def test_softmax_implicit_dim_warns_and_uses_pytorch_choice() -> None:
 
 
 def test_softmax_dtype_casts_first() -> None:
-    out = F.log_softmax(leaf(randn(2, 3).astype(np.float32), requires_grad=False), 1, "float64")
+    out = F.log_softmax(
+        leaf(randn(2, 3).astype(np.float32), requires_grad=False), 1, dtype="float64"
+    )
     assert out.dtype == np.float64
 
 

@@ -118,6 +118,8 @@ async def test_binary_gradcheck(
     assert await ag.gradcheck(BINARY[name].fn, (_leaf(a, device), _leaf(b, device)))
 
 
+# For a * b and a / b the gradient of a does not depend on a: gradgradcheck then also
+# covers grad(allow_unused=True) of an input with no path to it.
 @pytest.mark.parametrize("shapes", [((2, 3), (3,)), ((), (2,))], ids=str)
 @pytest.mark.parametrize("name", BINARY)
 async def test_binary_gradgradcheck(
