@@ -21,7 +21,8 @@ class AnomalyMode(NamedTuple):
     check_nan: bool
 
 
-_anomaly: ContextVar[AnomalyMode] = ContextVar("anomaly_mode", default=AnomalyMode(False, True))
+_OFF = AnomalyMode(False, True)
+_anomaly: ContextVar[AnomalyMode] = ContextVar("anomaly_mode", default=_OFF)
 # In anomaly mode, the backward node being evaluated: nodes created while it runs (double
 # backward) record it as their parent, so a failure can report the chain that induced it.
 current_node: ContextVar[Any] = ContextVar("anomaly_current_node", default=None)
@@ -42,7 +43,7 @@ def current_anomaly_mode() -> AnomalyMode:
     return _anomaly.get()
 
 
-class detect_anomaly:  # noqa: N801 (PyTorch's name)
+class detect_anomaly:
     """Enable anomaly detection for the enclosed code (context manager or decorator).
 
     Args:
@@ -90,7 +91,7 @@ class detect_anomaly:  # noqa: N801 (PyTorch's name)
         return wrapper  # type: ignore[return-value]
 
 
-class set_detect_anomaly(detect_anomaly):  # noqa: N801
+class set_detect_anomaly(detect_anomaly):
     """Set anomaly mode to ``mode`` for the enclosed code (context manager or decorator)."""
 
     def __init__(self, mode: bool, check_nan: bool = True) -> None:

@@ -21,12 +21,11 @@ from aioautograd.tensor import Tensor
 
 class CheckpointFunction(Function):
     @staticmethod
-    def forward(ctx: Any, run_function: Callable[..., Any], preserve_rng_state: bool,
-                *args: Any) -> Any:
+    def forward(
+        ctx: Any, run_function: Callable[..., Any], preserve_rng_state: bool, *args: Any
+    ) -> Any:
         ctx.run_function = run_function
-        ctx.rng_state = (
-            factories.generator().bit_generator.state if preserve_rng_state else None
-        )
+        ctx.rng_state = factories.generator().bit_generator.state if preserve_rng_state else None
         ctx.inputs = [None if isinstance(a, Tensor) else a for a in args]
         ctx.tensor_indices = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
         ctx.save_for_backward(*(a for a in args if isinstance(a, Tensor)))
@@ -55,7 +54,8 @@ class CheckpointFunction(Function):
         if isinstance(outputs, Tensor):
             outputs = (outputs,)
         pairs = [
-            (out, grad) for out, grad in zip(outputs, grad_outputs, strict=False)
+            (out, grad)
+            for out, grad in zip(outputs, grad_outputs, strict=False)
             if isinstance(out, Tensor) and out.requires_grad
         ]
         if not pairs:
@@ -70,8 +70,7 @@ class CheckpointFunction(Function):
         return tuple(grads)
 
 
-def checkpoint(function: Callable[..., Any], *args: Any,
-               preserve_rng_state: bool = True) -> Any:
+def checkpoint(function: Callable[..., Any], *args: Any, preserve_rng_state: bool = True) -> Any:
     """Run ``function(*args)`` without storing its intermediate tensors; recompute them
     during backward.
 

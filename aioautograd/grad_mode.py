@@ -58,7 +58,7 @@ class _ModeContext:
         return wrapper  # type: ignore[return-value]
 
 
-class no_grad(_ModeContext):  # noqa: N801 (PyTorch's name)
+class no_grad(_ModeContext):
     """Disable graph recording. Example::
 
     with no_grad():
@@ -71,13 +71,13 @@ class no_grad(_ModeContext):  # noqa: N801 (PyTorch's name)
     _value = False
 
 
-class enable_grad(_ModeContext):  # noqa: N801
+class enable_grad(_ModeContext):
     """Enable graph recording (inside a ``no_grad`` region, for instance)."""
 
     _value = True
 
 
-class set_grad_enabled(_ModeContext):  # noqa: N801
+class set_grad_enabled(_ModeContext):
     """Set grad mode to ``mode``. Unlike PyTorch, calling it without ``with`` does not leak the
     mode out of the statement; use ``with set_grad_enabled(mode):`` or the decorator form."""
 
@@ -89,7 +89,7 @@ class set_grad_enabled(_ModeContext):  # noqa: N801
         return set_grad_enabled(self._value)
 
 
-class inference_mode(no_grad):  # noqa: N801
+class inference_mode(no_grad):
     """Like ``no_grad`` (aioautograd has no separate inference tensors)."""
 
     def __init__(self, mode: bool = True) -> None:

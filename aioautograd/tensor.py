@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from aioautograd._typing import Array, DTypeLike, Shape
-from aioautograd.devices.device import CPU, Device, device as _as_device
-from aioautograd.grad_mode import _grad_enabled
+from aioautograd.devices.device import CPU, Device
+from aioautograd.devices.device import device as _as_device
 
 if TYPE_CHECKING:
     from aioautograd.autograd.hooks import HookDict, RemovableHandle
@@ -47,6 +47,7 @@ class Tensor:
         "__weakref__",
         "_backward_hooks",
         "_base",
+        "_grad",
         "_grad_accumulator",
         "_output_nr",
         "_post_accumulate_grad_hooks",
@@ -54,7 +55,6 @@ class Tensor:
         "_retains_grad",
         "_version_counter",
         "data",
-        "_grad",
         "device",
         "grad_fn",
     )
@@ -184,11 +184,11 @@ class Tensor:
         return self._retains_grad
 
     @property
-    def T(self) -> Tensor:  # noqa: N802 (PyTorch's name)
+    def T(self) -> Tensor:
         return shape_ops.permute(self, tuple(range(self.ndim - 1, -1, -1)))
 
     @property
-    def mT(self) -> Tensor:  # noqa: N802
+    def mT(self) -> Tensor:
         return shape_ops.transpose(self, -2, -1)
 
     @property
@@ -578,7 +578,7 @@ class Tensor:
     def relu(self) -> Tensor:
         return unary.relu(self)
 
-    def clamp(self, min: float | None = None, max: float | None = None) -> Tensor:  # noqa: A002
+    def clamp(self, min: float | None = None, max: float | None = None) -> Tensor:
         return unary.clamp(self, min, max)
 
     clip = clamp

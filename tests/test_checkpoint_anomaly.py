@@ -76,8 +76,11 @@ async def test_anomaly_nan_check_names_the_node() -> None:
     x = ag.randn(3, requires_grad=True)
     with ag.detect_anomaly():
         y = NanBackward.apply(x * 2).sum()
-        with pytest.raises(RuntimeError, match="Function 'NanBackwardBackward' returned nan values "
-                           "in its 0th output.") as info:
+        with pytest.raises(
+            RuntimeError,
+            match=r"Function 'NanBackwardBackward' returned nan values "
+            r"in its 0th output\.",
+        ) as info:
             await y.backward()
     notes = "\n".join(info.value.__notes__)
     assert "MulBackward0" in notes  # the node the NaN gradient was going to

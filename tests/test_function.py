@@ -100,7 +100,7 @@ async def test_set_materialize_grads_false_passes_none() -> None:
     assert_close(x.grad, np.full(3, 2.0))
 
 
-class Double_(ag.Function):  # noqa: N801
+class Double_(ag.Function):
     @staticmethod
     def forward(ctx, x):
         x.data *= 2

@@ -15,7 +15,10 @@ def test_readme_tour_runs() -> None:
     block = re.search(r"```python\n(.*?)```", text, re.S)
     assert block is not None
     result = subprocess.run(
-        [sys.executable, "-c", block.group(1)], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", block.group(1)],
+        capture_output=True,
+        text=True,
+        timeout=120,
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr

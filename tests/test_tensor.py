@@ -52,7 +52,8 @@ def test_manual_seed_reproducible() -> None:
 def test_leaf_and_grad_fn_attributes() -> None:
     x = ag.randn(3, requires_grad=True)
     y = x * 2
-    assert x.is_leaf and not y.is_leaf
+    assert x.is_leaf
+    assert not y.is_leaf
     assert x.grad_fn is None
     assert y.grad_fn.name() == "MulBackward0"
     assert y.requires_grad
@@ -64,7 +65,8 @@ def test_no_grad_produces_leaves() -> None:
     x = ag.randn(3, requires_grad=True)
     with ag.no_grad():
         y = x * 2
-    assert y.is_leaf and not y.requires_grad
+    assert y.is_leaf
+    assert not y.requires_grad
 
 
 def test_detach_shares_data_and_version_counter() -> None:
@@ -80,7 +82,8 @@ def test_detach_in_place() -> None:
     x = ag.randn(3, requires_grad=True)
     y = x * 2
     y.detach_()
-    assert y.is_leaf and not y.requires_grad
+    assert y.is_leaf
+    assert not y.requires_grad
 
 
 def test_requires_grad_setter_and_method() -> None:
@@ -106,7 +109,8 @@ async def test_dtype_cast_is_differentiable() -> None:
     x = ag.randn(3, requires_grad=True)
     y = x.double() * 2
     await y.sum().backward()
-    assert x.grad is not None and x.grad.dtype == np.float32
+    assert x.grad is not None
+    assert x.grad.dtype == np.float32
     assert_close(x.grad, np.full(3, 2.0))
 
 

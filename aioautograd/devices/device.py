@@ -27,7 +27,7 @@ class Device:
     index: int | None
     xp: Any
 
-    def __new__(cls, type: str, index: int | None = None) -> Device:  # noqa: A002
+    def __new__(cls, type: str, index: int | None = None) -> Device:
         key = (type, index)
         dev = _cache.get(key)
         if dev is not None:
@@ -54,7 +54,7 @@ class Device:
         return (Device, (self.type, self.index))
 
 
-def _array_module(type: str, index: int | None) -> Any:  # noqa: A002
+def _array_module(type: str, index: int | None) -> Any:
     if type == "cpu":
         return np
     if type == "cuda":

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 from aioautograd.anomaly_mode import current_node
 from aioautograd.autograd.node import Node
-from aioautograd.devices.device import CPU, Device
 from aioautograd.autograd.saved import describe
+from aioautograd.devices.device import CPU, Device
 from aioautograd.engine.graph_task import GraphTask, current_graph_task, enter_graph_task
 from aioautograd.engine.ready_queue import NodeTask
 from aioautograd.engine.validate import validate_outputs
@@ -155,7 +155,9 @@ def _call_tensor_pre_hooks(node: Node, inputs: Grads) -> Grads:
 def _check_nan(node: Node, outputs: Sequence[Tensor | None]) -> None:
     for i, grad in enumerate(outputs):
         if grad is not None and grad.data.dtype.kind in "fc" and grad.xp.isnan(grad.data).any():
-            error = RuntimeError(f"Function '{node.name()}' returned nan values in its {i}th output.")
+            error = RuntimeError(
+                f"Function '{node.name()}' returned nan values in its {i}th output."
+            )
             next_node = node._next_edges[i][0]
             error.add_note(
                 f"Output {i} of {node.name()} is the gradient for "

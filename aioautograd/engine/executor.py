@@ -14,9 +14,9 @@ driven by a fresh thread instead, so depth is bounded by neither deadlock nor st
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import numpy
-from typing import TYPE_CHECKING
 
 from aioautograd.engine.ready_queue import ReadyQueue
 

@@ -11,6 +11,7 @@ then runs the post-processing (``mark_as_completed_and_run_post_processing``): t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import itertools
 import threading
@@ -189,10 +190,9 @@ class GraphTask:
         if self.owner_queue is not None:
             self.owner_queue.wake_all()
         if self._done_future is not None and self.loop is not None:
-            try:
+            # RuntimeError: the caller's loop is closed, so nobody is waiting any more.
+            with contextlib.suppress(RuntimeError):
                 self.loop.call_soon_threadsafe(self._resolve_done)
-            except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
-                pass
 
     def _resolve_done(self) -> None:
         future = self._done_future
@@ -220,10 +220,8 @@ class GraphTask:
         if node is not None and not isinstance(exc, asyncio.CancelledError):
             _annotate(exc, self, node, device, inputs)
         if self.loop is not None and self._async_tasks:
-            try:
+            with contextlib.suppress(RuntimeError):
                 self.loop.call_soon_threadsafe(self._cancel_async_nodes)
-            except RuntimeError:
-                pass
 
     def _cancel_async_nodes(self) -> None:
         for task in tuple(self._async_tasks):
@@ -241,7 +239,8 @@ class GraphTask:
             self.task_finished()
             return
         context = self._async_context
-        assert context is not None and self.loop is not None
+        assert context is not None
+        assert self.loop is not None
         task = self.loop.create_task(self._run_async_node(node, inputs), context=context.copy())
         self._async_tasks.add(task)
         task.add_done_callback(self._async_tasks.discard)

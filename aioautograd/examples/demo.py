@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import time
 
 import numpy as np
@@ -34,12 +35,16 @@ def make_spirals(n_per_class: int, classes: int, seed: int) -> tuple[ag.Tensor, 
 def init_mlp(sizes: list[int], seed: int) -> list[ag.Tensor]:
     rng = np.random.default_rng(seed)
     params = []
-    for fan_in, fan_out in zip(sizes[:-1], sizes[1:], strict=True):
+    for fan_in, fan_out in itertools.pairwise(sizes):
         bound = 1 / np.sqrt(fan_in)
-        params.append(ag.tensor(rng.uniform(-bound, bound, (fan_out, fan_in)), dtype="float32",
-                                requires_grad=True))
-        params.append(ag.tensor(rng.uniform(-bound, bound, fan_out), dtype="float32",
-                                requires_grad=True))
+        params.append(
+            ag.tensor(
+                rng.uniform(-bound, bound, (fan_out, fan_in)), dtype="float32", requires_grad=True
+            )
+        )
+        params.append(
+            ag.tensor(rng.uniform(-bound, bound, fan_out), dtype="float32", requires_grad=True)
+        )
     return params
 
 

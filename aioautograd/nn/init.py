@@ -12,6 +12,7 @@ import math
 
 from aioautograd.factories import generator
 from aioautograd.grad_mode import no_grad
+from aioautograd.ops import inplace
 from aioautograd.tensor import Tensor
 
 __all__ = [
@@ -68,7 +69,7 @@ def normal_(tensor: Tensor, mean: float = 0.0, std: float = 1.0) -> Tensor:
 def constant_(tensor: Tensor, val: float) -> Tensor:
     """Fill ``tensor`` with ``val``."""
     with no_grad():
-        return tensor.copy_(val)
+        return inplace.copy_(tensor, val)
 
 
 def zeros_(tensor: Tensor) -> Tensor:
@@ -115,4 +116,4 @@ def xavier_uniform_(tensor: Tensor, gain: float = 1.0) -> Tensor:
 
 def _fill(tensor: Tensor, values: object) -> Tensor:
     with no_grad():
-        return tensor.copy_(values)
+        return inplace.copy_(tensor, values)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import numpy as np
 
-from aioautograd.devices.device import Device, device as as_device
+from aioautograd.devices.device import Device
+from aioautograd.devices.device import device as as_device
 from aioautograd.grad_mode import no_grad
 from aioautograd.nn.parameter import Parameter
 from aioautograd.tensor import Tensor
@@ -279,7 +280,7 @@ class Module:
     ) -> Iterator[tuple[str, Parameter]]:
         """``(name, parameter)`` pairs, e.g. ``("0.weight", ...)``; shared ones once."""
         for name, param in self._named_members("_parameters", prefix, recurse, remove_duplicate):
-            yield name, param  # type: ignore[misc]  # the _parameters table holds Parameters
+            yield name, cast(Parameter, param)  # the _parameters table holds Parameters
 
     def parameters(self, recurse: bool = True) -> Iterator[Parameter]:
         """The parameters of this module and (``recurse``) its submodules, each once.
@@ -342,9 +343,7 @@ class Module:
         _zero_grads(self.parameters(), set_to_none)
 
     # ------------------------------------------------------------------- state dicts
-    def state_dict(
-        self, *, prefix: str = "", keep_vars: bool = False
-    ) -> OrderedDict[str, Any]:
+    def state_dict(self, *, prefix: str = "", keep_vars: bool = False) -> OrderedDict[str, Any]:
         """Parameters and persistent buffers by dotted name, each as a NumPy array copy.
 
         Per module in pre-order: its parameters, then its buffers. A shared tensor appears

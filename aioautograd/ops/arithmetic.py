@@ -110,7 +110,8 @@ class Pow(Op):
             else:
                 grad_a = where(b == 0, 0.0, grad * b * a ** (b - 1))
         if needs[1]:
-            assert b is not None and out is not None
+            assert b is not None
+            assert out is not None
             base = a if a is not None else Tensor(b.xp.asarray(scalar_a, b.dtype), b.device)
             from aioautograd.ops.unary import log
 
@@ -210,7 +211,7 @@ def div(a: Any, b: Any) -> Tensor:
     return Div.apply(a, b)  # type: ignore[no-any-return]
 
 
-def pow(a: Any, b: Any) -> Tensor:  # noqa: A001 (PyTorch's name)
+def pow(a: Any, b: Any) -> Tensor:
     """``a ** b`` with NumPy broadcasting."""
     return Pow.apply(a, b)  # type: ignore[no-any-return]
 

@@ -68,7 +68,8 @@ class Optimizer:
                 "params argument given to the optimizer should be an iterable of Tensors or "
                 f"dicts, but got {type(params).__name__}"
             )
-        groups = list(params)
+        # Either every item is a tensor or every item is a group dict (checked below).
+        groups: list[Any] = list(params)
         if not groups:
             raise ValueError("optimizer got an empty parameter list")
         if not isinstance(groups[0], dict):

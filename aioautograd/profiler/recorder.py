@@ -34,7 +34,7 @@ class NodeEvent:
         return (self.end_ns - self.start_ns) / 1e3
 
 
-class profile:  # noqa: N801 (PyTorch's name)
+class profile:
     """Record the engine's node evaluations inside the block.
 
     Example::

@@ -197,9 +197,11 @@ async def test_broadcast_gradients_are_reduced() -> None:
     x = ag.randn(3, 1, dtype="float64", requires_grad=True)
     b = ag.randn(4, dtype="float64", requires_grad=True)
     await (x * b).sum().backward()
-    assert x.grad is not None and x.grad.shape == (3, 1)
+    assert x.grad is not None
+    assert x.grad.shape == (3, 1)
     assert_close(x.grad, np.full((3, 1), b.data.sum()))
-    assert b.grad is not None and b.grad.shape == (4,)
+    assert b.grad is not None
+    assert b.grad.shape == (4,)
     assert_close(b.grad, np.full(4, x.data.sum()))
 
 
@@ -207,8 +209,10 @@ async def test_dtype_of_gradient_follows_input() -> None:
     x32 = ag.randn(3, dtype="float32", requires_grad=True)
     x64 = ag.randn(3, dtype="float64", requires_grad=True)
     await (x32 * x64).sum().backward()
-    assert x32.grad is not None and x32.grad.dtype == np.float32
-    assert x64.grad is not None and x64.grad.dtype == np.float64
+    assert x32.grad is not None
+    assert x32.grad.dtype == np.float32
+    assert x64.grad is not None
+    assert x64.grad.dtype == np.float64
 
 
 async def test_accumulated_grads_are_not_aliased() -> None:
@@ -216,7 +220,8 @@ async def test_accumulated_grads_are_not_aliased() -> None:
     b = ag.randn(3, requires_grad=True)
     g = ag.ones(3)
     await (a + b).backward(g)
-    assert a.grad is not None and b.grad is not None
+    assert a.grad is not None
+    assert b.grad is not None
     assert not np.shares_memory(a.grad.data, b.grad.data)
     assert not np.shares_memory(a.grad.data, g.data)
     a.grad.zero_()

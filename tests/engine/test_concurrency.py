@@ -16,11 +16,12 @@ from tests.helpers import assert_close
 
 
 def _engine_idle() -> bool:
-    return all(e.busy == 0 and len(e.queue) == 0 for e in ag.get_default_engine().executors.values())
+    executors = ag.get_default_engine().executors.values()
+    return all(e.busy == 0 and len(e.queue) == 0 for e in executors)
 
 
-async def _wait_idle(timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
+async def _wait_idle(limit: float = 5.0) -> None:
+    deadline = time.monotonic() + limit
     while not _engine_idle():
         assert time.monotonic() < deadline, "an executor thread stayed busy"
         await asyncio.sleep(0.005)

@@ -174,9 +174,7 @@ async def test_error_in_one_graph_task_does_not_disturb_others() -> None:
     async def bad() -> None:
         await Boom.apply(ag.randn(3, requires_grad=True)).sum().backward()
 
-    results = await asyncio.gather(
-        *(good(x) for x in good_inputs), bad(), return_exceptions=True
-    )
+    results = await asyncio.gather(*(good(x) for x in good_inputs), bad(), return_exceptions=True)
     assert isinstance(results[-1], ValueError)
     assert all(r is None for r in results[:-1])
     for x in good_inputs:

@@ -307,7 +307,8 @@ async def test_state_dict_round_trip_restores_outputs() -> None:
     assert_close(target.running, np.full(3, 5.0))
     assert target.head.weight is weight  # copied in place: optimizers keep their references
     assert weight._version > version
-    assert weight.requires_grad and weight.is_leaf
+    assert weight.requires_grad
+    assert weight.is_leaf
     await target(x).sum().backward()
     assert weight.grad is not None
 
@@ -363,7 +364,8 @@ def test_to_dtype_converts_in_place_and_keeps_identity() -> None:
     assert model.double() is model
     assert model.weight is weight
     assert weight.dtype == np.float64
-    assert weight.grad is not None and weight.grad.dtype == np.float64
+    assert weight.grad is not None
+    assert weight.grad.dtype == np.float64
     out = model(ag.randn(4, 3, dtype="float64"))
     assert out.dtype == np.float64
     with pytest.raises(TypeError, match="floating point"):
@@ -559,15 +561,11 @@ async def test_parameterless_layers_match_torch(
     make_ours: Callable[[], nn.Module],
     make_theirs: Callable[[Any], Any],
 ) -> None:
-    await compare_layer_with_torch(
-        torch, device, make_ours(), make_theirs(torch), randn(2, 3, 4)
-    )
+    await compare_layer_with_torch(torch, device, make_ours(), make_theirs(torch), randn(2, 3, 4))
 
 
 @pytest.mark.parametrize("padding_idx", [None, 1])
-async def test_embedding_matches_torch(
-    torch: Any, device: str, padding_idx: int | None
-) -> None:
+async def test_embedding_matches_torch(torch: Any, device: str, padding_idx: int | None) -> None:
     ours = nn.Embedding(5, 3, padding_idx=padding_idx, dtype="float64")
     theirs = torch.nn.Embedding(5, 3, padding_idx=padding_idx, dtype=torch.float64)
     indices = np.array([[0, 1, 4], [1, 1, 3]])
@@ -645,9 +643,7 @@ def test_loss_modules_match_functional() -> None:
     weight = ag.tensor([1.0, 2.0, 0.5])
     loss = nn.CrossEntropyLoss(weight=weight, label_smoothing=0.1)
     assert "weight" in loss.state_dict()
-    assert_close(
-        loss(logits, target), F.cross_entropy(logits, target, weight, label_smoothing=0.1)
-    )
+    assert_close(loss(logits, target), F.cross_entropy(logits, target, weight, label_smoothing=0.1))
     prediction, wanted = ag.randn(5), ag.randn(5)
     assert_close(
         nn.MSELoss(reduction="sum")(prediction, wanted),

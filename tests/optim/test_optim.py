@@ -39,9 +39,7 @@ def case_id(case: tuple[str, dict[str, Any]]) -> str:
     return name + "".join(f"-{key}={value}" for key, value in kwargs.items())
 
 
-def make_params(
-    arrays: list[np.ndarray[Any, Any]], device: str = "cpu"
-) -> list[nn.Parameter]:
+def make_params(arrays: list[np.ndarray[Any, Any]], device: str = "cpu") -> list[nn.Parameter]:
     return [nn.Parameter(ag.tensor(a, dtype="float64", device=device)) for a in arrays]
 
 
@@ -132,7 +130,8 @@ async def test_step_bumps_version_and_invalidates_saved_graph(name: str) -> None
     version = param._version
     optimizer.step()
     assert param._version > version
-    assert param.is_leaf and param.requires_grad
+    assert param.is_leaf
+    assert param.requires_grad
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         await loss.backward()
 
@@ -290,7 +289,7 @@ def test_invalid_params_types_raise_type_error() -> None:
     with pytest.raises(TypeError, match="can only optimize Tensors"):
         optim.SGD([np.ones(2)], lr=0.1)  # type: ignore[list-item]
     with pytest.raises(TypeError, match="ordered collections"):
-        optim.SGD({param}, lr=0.1)
+        optim.SGD([{"params": {param}}], lr=0.1)
 
 
 def test_required_hyperparameter_must_be_given() -> None:
@@ -314,9 +313,7 @@ def test_repr_lists_groups_and_hyperparameters() -> None:
 
 
 # ---------------------------------------------------------------------- training
-def separable_problem(
-    rng: np.random.Generator, count: int = 256
-) -> tuple[ag.Tensor, ag.Tensor]:
+def separable_problem(rng: np.random.Generator, count: int = 256) -> tuple[ag.Tensor, ag.Tensor]:
     """Two Gaussian blobs in 2-D, well apart, with labels 0 and 1 (float32 inputs)."""
     labels = rng.integers(0, 2, size=count)
     centres = np.array([[-1.5, -1.0], [1.5, 1.0]])

@@ -24,7 +24,9 @@ class GELU(Module):
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()
         if approximate not in ("none", "tanh"):
-            raise ValueError(f"approximate argument must be either none or tanh, got {approximate!r}")
+            raise ValueError(
+                f"approximate argument must be either none or tanh, got {approximate!r}"
+            )
         self.approximate = approximate
 
     def forward(self, input: Tensor) -> Tensor:

@@ -31,7 +31,7 @@ class Sequential(Module):
     def __init__(self, *args: Module) -> None: ...
 
     @overload
-    def __init__(self, arg: OrderedDict[str, Module]) -> None: ...
+    def __init__(self, arg: OrderedDict[str, Module], /) -> None: ...
 
     def __init__(self, *args: Any) -> None:
         super().__init__()
@@ -55,15 +55,13 @@ class Sequential(Module):
     def __getitem__(self, index: slice) -> Sequential: ...
 
     def __getitem__(self, index: int | slice) -> Module | Sequential:
-        items = list(self._modules.items())
+        items = [(name, module) for name, module in self._modules.items() if module is not None]
         if isinstance(index, slice):
             return Sequential(OrderedDict(items[index]))
-        module = items[_index(index, len(items))][1]
-        assert module is not None
-        return module
+        return items[_index(index, len(items))][1]
 
     def __len__(self) -> int:
-        return len(self._modules)
+        return sum(module is not None for module in self._modules.values())
 
     def __iter__(self) -> Iterator[Module]:
         return (module for module in self._modules.values() if module is not None)
