@@ -431,6 +431,21 @@ class Tensor:
             extras.append("requires_grad=True")
         return "tensor(" + ", ".join([body, *extras]) + ")"
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Tensor:
+        # A fresh leaf: copying the slots would share the gradient accumulator and hooks.
+        if self.grad_fn is not None:
+            raise RuntimeError(
+                "Only Tensors created explicitly by the user (graph leaves) support the "
+                "deepcopy protocol; deepcopy tensor.detach() instead"
+            )
+        if id(self) in memo:
+            return memo[id(self)]  # type: ignore[no-any-return]
+        result = Tensor(self.data.copy(), self.device, self._requires_grad)
+        memo[id(self)] = result
+        if self._grad is not None:
+            result._grad = Tensor(self._grad.data.copy(), self._grad.device)
+        return result
+
     def __iter__(self) -> Iterator[Tensor]:
         if self.ndim == 0:
             raise TypeError("iteration over a 0-d tensor")
@@ -683,7 +698,7 @@ class Tensor:
     def zero_(self) -> Tensor:
         return inplace.zero_(self)
 
-    def copy_(self, src: Tensor) -> Tensor:
+    def copy_(self, src: Any) -> Tensor:
         return inplace.copy_(self, src)
 
 

@@ -67,33 +67,56 @@ async def run_case(case: Case) -> float:
     return float(value)
 
 
-async def measure(name: str, cases: dict[str, Case], warmup: int, repeats: int) -> list[Result]:
-    """Time ``cases`` (implementation name -> case) in interleaved rounds.
+# Least warm-up time per implementation in blocked mode: long enough for the thread pools of
+# the implementation that ran before (OpenBLAS, torch's OpenMP) to stop spinning, which on two
+# cores would otherwise steal a core from the one being timed.
+MIN_WARMUP_S = 0.3
 
-    Each round runs every case once, starting from a different case each round, so that a
-    burst of background load or a cache left warm by the previous case falls on all of them
-    alike and the ratios stay fair on a shared machine.
+
+async def _time_once(name: str, impl: str, case: Case) -> tuple[float, float]:
+    """``prepare`` (untimed), then one timed ``run``: (seconds, finite value)."""
+    case.prepare()
+    start = time.perf_counter()
+    outcome = case.run()
+    if inspect.isawaitable(outcome):
+        outcome = await outcome
+    elapsed = time.perf_counter() - start
+    value = float(outcome)
+    if not math.isfinite(value):
+        raise FloatingPointError(f"{name}/{impl} gave {value}")
+    return elapsed, value
+
+
+async def measure(
+    name: str, cases: dict[str, Case], warmup: int, repeats: int, interleave: bool = False
+) -> list[Result]:
+    """Time ``cases`` (implementation name -> case).
+
+    By default each implementation runs as a block: its warm-up (``warmup`` runs, and at
+    least ``MIN_WARMUP_S``), then its ``repeats`` timed runs. With ``interleave``, rounds run
+    every case once each (rotating the order), so that bursts of background load fall on all
+    implementations alike; but then each one is timed while the thread pools of the previous
+    one still spin, which on a 2-core machine costs torch and BLAS-bound steps up to 2-3x.
     """
     impls = list(cases)
-    if not impls:
-        return []
     times: dict[str, list[float]] = {impl: [] for impl in impls}
     values: dict[str, float] = {}
-    for round_index in range(warmup + repeats):
-        shift = round_index % len(impls)
-        for impl in impls[shift:] + impls[:shift]:
-            case = cases[impl]
-            case.prepare()
-            start = time.perf_counter()
-            outcome = case.run()
-            if inspect.isawaitable(outcome):
-                outcome = await outcome
-            elapsed = time.perf_counter() - start
-            value = float(outcome)
-            if not math.isfinite(value):
-                raise FloatingPointError(f"{name}/{impl}: round {round_index} gave {value}")
-            values[impl] = value
-            if round_index >= warmup:
+    if interleave:
+        for round_index in range(warmup + repeats):
+            shift = round_index % len(impls)
+            for impl in impls[shift:] + impls[:shift]:
+                elapsed, values[impl] = await _time_once(name, impl, cases[impl])
+                if round_index >= warmup:
+                    times[impl].append(elapsed)
+    else:
+        for impl in impls:
+            deadline = time.perf_counter() + MIN_WARMUP_S
+            done = 0
+            while done < warmup or time.perf_counter() < deadline:
+                await _time_once(name, impl, cases[impl])
+                done += 1
+            for _ in range(repeats):
+                elapsed, values[impl] = await _time_once(name, impl, cases[impl])
                 times[impl].append(elapsed)
     return [
         Result(
@@ -173,7 +196,7 @@ def _emit(line: dict[str, Any]) -> None:
 
 
 async def run_workload(
-    workload: Workload, size: str, impls: set[str] | None = None
+    workload: Workload, size: str, impls: set[str] | None = None, interleave: bool = False
 ) -> list[Result]:
     params = workload.sizes[size]
     warmup, repeats = workload.repeats[size]
@@ -186,20 +209,25 @@ async def run_workload(
             _emit({"name": workload.name, "impl": impl.name, "skipped": f"missing {missing}"})
         else:
             cases[impl.name] = impl.factory(params)
-    results = await measure(workload.name, cases, warmup, repeats)
+    results = await measure(workload.name, cases, warmup, repeats, interleave)
     for result in results:
         _emit({**result.as_json(), "params": params})
     return results
 
 
 async def run_all(
-    workloads: list[Workload], size: str, threads: int, loop: str, impls: set[str] | None = None
+    workloads: list[Workload],
+    size: str,
+    threads: int,
+    loop: str,
+    impls: set[str] | None = None,
+    interleave: bool = False,
 ) -> None:
     start = time.perf_counter()
-    _emit({"env": environment(threads, loop)})
+    _emit({"env": {**environment(threads, loop), "interleave": interleave}})
     results: dict[str, list[Result]] = {}
     for workload in workloads:
-        results[workload.name] = await run_workload(workload, size, impls)
+        results[workload.name] = await run_workload(workload, size, impls, interleave)
     # Load average at the end: a busy machine (other jobs) shows here.
     _emit({"done": {"wall_s": round(time.perf_counter() - start, 1), "loadavg": os.getloadavg()}})
     print()

@@ -51,6 +51,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="BLAS and torch intra-op threads (default: os.cpu_count())",
     )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="alternate implementations repeat by repeat instead of timing each as a block",
+    )
     parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     return parser.parse_args(argv)
@@ -91,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     impls = {n for item in args.impl or [] for n in item.split(",") if n} or None
     size = "quick" if args.quick else "full"
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(harness.run_all([REGISTRY[n] for n in names], size, threads, args.loop, impls))
+        runner.run(
+            harness.run_all(
+                [REGISTRY[n] for n in names], size, threads, args.loop, impls, args.interleave
+            )
+        )
     return 0
 
 

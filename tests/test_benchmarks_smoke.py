@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from benchmarks.harness import markdown_table, measure, run_case
+from benchmarks import harness
+from benchmarks.harness import markdown_table, run_case
 from benchmarks.workloads import REGISTRY, SUBJECT, Impl, mlp_data
 
 # The optional third-party baselines are exercised by `benchmarks/run.py` itself.
@@ -48,11 +49,13 @@ def test_mlp_data_is_deterministic() -> None:
 
 
 @pytest.mark.timeout(30)
-async def test_measure_and_table() -> None:
+@pytest.mark.parametrize("interleave", [False, True])
+async def test_measure_and_table(interleave: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(harness, "MIN_WARMUP_S", 0.0)
     workload = REGISTRY["chain"]
     impl = next(i for i in workload.impls if i.name == SUBJECT)
     cases = {SUBJECT: impl.factory(workload.sizes["tiny"])}
-    (result,) = await measure("chain", cases, 0, 2)
+    (result,) = await harness.measure("chain", cases, 0, 2, interleave)
     assert result.repeats == 2
     assert result.as_json()["per_node_us"] >= 0
     assert "| chain |" in markdown_table({"chain": [result]})

@@ -147,3 +147,20 @@ def test_device_attributes() -> None:
     assert x.cpu() is x
     with pytest.raises(ValueError, match="unknown device"):
         ag.device("tpu")
+
+
+def test_deepcopy_of_a_leaf_is_a_fresh_leaf() -> None:
+    import copy
+
+    x = ag.randn(3, requires_grad=True)
+    x.sum().backward_sync()
+    y = copy.deepcopy(x)
+    assert y is not x
+    assert not np.shares_memory(y.data, x.data)
+    assert_close(y.grad, x.grad)
+    x.grad = None
+    y.sum().backward_sync()
+    assert x.grad is None
+    assert_close(y.grad, np.full(3, 2.0))
+    with pytest.raises(RuntimeError, match="graph leaves"):
+        copy.deepcopy(x * 2)

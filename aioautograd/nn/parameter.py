@@ -43,6 +43,26 @@ class Parameter(Tensor):
     def __repr__(self) -> str:
         return "Parameter containing:\n" + super().__repr__()
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Parameter:
+        # A fresh leaf: copying the slots would share this parameter's gradient accumulator,
+        # so the copy's gradients would land in this parameter's ``.grad``.
+        if id(self) in memo:
+            return memo[id(self)]  # type: ignore[no-any-return]
+        result = Parameter(Tensor(self.xp.array(self.data, copy=True), self.device))
+        result.requires_grad = self.requires_grad
+        memo[id(self)] = result
+        grad = self.grad
+        if grad is not None:
+            result.grad = Tensor(grad.xp.array(grad.data, copy=True), grad.device)
+        return result
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        return _rebuild_parameter, (self.data, self.device, self.requires_grad)
+
+
+def _rebuild_parameter(data: Any, device: Device, requires_grad: bool) -> Parameter:
+    return Parameter(Tensor(data, device), requires_grad)
+
 
 def _array_and_device(data: Any) -> tuple[Any, Device]:
     if hasattr(data, "__cuda_array_interface__"):

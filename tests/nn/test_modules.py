@@ -5,6 +5,8 @@ weights (outputs, input gradients and parameter gradients)."""
 from __future__ import annotations
 
 import asyncio
+import copy
+import pickle
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -384,6 +386,38 @@ async def test_to_device_moves_parameters_and_buffers(device: str) -> None:
     assert str(weight.grad.device) == device
     block.cpu()
     assert all(t.device is ag.device("cpu") for t in block.parameters())
+
+
+# ------------------------------------------------------------------- copy and pickle
+def test_deepcopy_gives_independent_parameters_and_gradients() -> None:
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+    model(ag.randn(4, 2)).sum().backward_sync()
+    clone = copy.deepcopy(model)
+    for original, copied in zip(model.parameters(), clone.parameters(), strict=True):
+        assert isinstance(copied, nn.Parameter)
+        assert copied is not original
+        assert copied.data is not original.data
+        assert copied.requires_grad
+        assert_close(copied.grad, original.grad)
+    model.zero_grad()
+    clone.zero_grad()
+    clone(ag.randn(4, 2)).sum().backward_sync()
+    assert clone[0].weight.grad is not None
+    assert model[0].weight.grad is None  # the copy's gradients stay in the copy
+    tied = nn.Sequential(model[0], model[0])
+    tied_clone = copy.deepcopy(tied)
+    assert tied_clone[0].weight is tied_clone[1].weight
+
+
+def test_pickle_round_trip() -> None:
+    model = Block()
+    model(ag.randn(2, 3)).sum().backward_sync()  # creates gradient accumulators
+    restored = pickle.loads(pickle.dumps(model))
+    x = ag.randn(2, 3)
+    assert_close(restored(x), model(x))
+    assert list(restored.state_dict()) == list(model.state_dict())
+    assert isinstance(restored.inner[0].bias, nn.Parameter)
+    assert restored.inner[0].bias.requires_grad
 
 
 # --------------------------------------------------------------------------- repr
