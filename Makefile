@@ -17,7 +17,7 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	touch $@
 
 demo: $(VENV)/.installed
-	$(BIN)/python -m aioautograd.examples.demo
+	$(BIN)/python -m aioautograd.examples.concurrent_training
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q

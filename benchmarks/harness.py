@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import inspect
 import json
 import math
@@ -155,12 +156,23 @@ def blas_threads() -> int | None:
     return None
 
 
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def environment(threads: int, loop: str) -> dict[str, Any]:
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "processor": platform.processor() or None,
+        "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "numpy": np.__version__,
         "numpy_blas_threads": blas_threads(),
@@ -183,11 +195,9 @@ def environment(threads: int, loop: str) -> dict[str, Any]:
         env["torch_interop_threads"] = torch.get_num_interop_threads()
     for optional in ("autograd", "mygrad"):
         try:
-            module = __import__(optional)
-        except ImportError:
+            env[optional] = importlib.metadata.version(optional)
+        except importlib.metadata.PackageNotFoundError:
             env[optional] = None
-        else:
-            env[optional] = getattr(module, "__version__", "unknown")
     return env
 
 

@@ -1,0 +1,51 @@
+"""The examples run and learn (short runs)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import aioautograd as ag
+from aioautograd.examples import concurrent_training, demo
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def test_demo_training_reduces_loss() -> None:
+    final_loss = await demo.train(steps=60)
+    assert final_loss < 0.5
+
+
+async def test_concurrent_training_learns_and_writes_figures(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    result = await concurrent_training.train(steps=40, hidden=64, output=tmp_path, progress=False)
+    assert set(result["losses"]) == {"adam", "adamw", "sgd-momentum", "sgd-nesterov"}
+    assert all(acc > 0.5 for acc in result["accuracies"].values())
+    assert (tmp_path / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "engine_timeline.png").read_bytes()[:4] == b"\x89PNG"
+    assert result["speedup"] > 0
+
+
+def test_concurrent_runs_are_independent_of_scheduling() -> None:
+    # Same seeds, same data: each model's trajectory does not depend on the others.
+    runs_a = concurrent_training.make_runs(8, seed=3)
+    runs_b = concurrent_training.make_runs(8, seed=3)
+    for a, b in zip(runs_a, runs_b, strict=True):
+        for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True):
+            assert (p.detach().numpy() == q.detach().numpy()).all()
+    assert isinstance(runs_a[0].model(ag.randn(2, 2)), ag.Tensor)
+
+
+def test_demo_module_runs_as_a_script() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "aioautograd.examples.demo", "--steps", "10"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "step   10" in result.stdout
