@@ -34,7 +34,7 @@ class Result:
     repeats: int
     warmup: int
     nodes: int | None
-    value: float
+    first_value: float
     extras: dict[str, Any]
 
     @property
@@ -54,7 +54,7 @@ class Result:
         if self.nodes is not None:
             line["nodes"] = self.nodes
             line["per_node_us"] = round(self.per_node_us or 0.0, 4)
-        line["value"] = self.value
+        line["first_value"] = self.first_value
         line.update(self.extras)
         return line
 
@@ -97,16 +97,20 @@ async def measure(
     least ``MIN_WARMUP_S``), then its ``repeats`` timed runs. With ``interleave``, rounds run
     every case once each (rotating the order), so that bursts of background load fall on all
     implementations alike; but then each one is timed while the thread pools of the previous
-    one still spin, which on a 2-core machine costs torch and BLAS-bound steps up to 2-3x.
+    one still spin, which on a 2-core machine slowed BLAS-bound steps up to ~3x.
     """
     impls = list(cases)
     times: dict[str, list[float]] = {impl: [] for impl in impls}
+    # The value of each implementation's first run: every one starts from the same inputs
+    # and weights, so these agree across implementations (later MLP losses differ, as the
+    # implementations take different numbers of SGD steps).
     values: dict[str, float] = {}
     if interleave:
         for round_index in range(warmup + repeats):
             shift = round_index % len(impls)
             for impl in impls[shift:] + impls[:shift]:
-                elapsed, values[impl] = await _time_once(name, impl, cases[impl])
+                elapsed, value = await _time_once(name, impl, cases[impl])
+                values.setdefault(impl, value)
                 if round_index >= warmup:
                     times[impl].append(elapsed)
     else:
@@ -114,10 +118,12 @@ async def measure(
             deadline = time.perf_counter() + MIN_WARMUP_S
             done = 0
             while done < warmup or time.perf_counter() < deadline:
-                await _time_once(name, impl, cases[impl])
+                _, value = await _time_once(name, impl, cases[impl])
+                values.setdefault(impl, value)
                 done += 1
             for _ in range(repeats):
-                elapsed, values[impl] = await _time_once(name, impl, cases[impl])
+                elapsed, value = await _time_once(name, impl, cases[impl])
+                values.setdefault(impl, value)
                 times[impl].append(elapsed)
     return [
         Result(
@@ -129,7 +135,7 @@ async def measure(
             repeats=repeats,
             warmup=warmup,
             nodes=cases[impl].nodes,
-            value=values[impl],
+            first_value=values[impl],
             extras=cases[impl].extras(),
         )
         for impl in impls
