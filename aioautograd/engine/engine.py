@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 from aioautograd.anomaly_mode import _anomaly
 from aioautograd.autograd.node import Edge, GraphRoot, Node
 from aioautograd.devices.device import Device
-from aioautograd.engine.evaluate import buffer_device, evaluate_task
+from aioautograd.engine.evaluate import buffer_device
 from aioautograd.engine.executor import Executor
 from aioautograd.engine.graph_task import GraphTask, current_graph_task
 from aioautograd.engine.ready_queue import NodeTask
@@ -96,9 +96,6 @@ class Engine:
                 self.push(local, device)
                 return None
         return local
-
-    def evaluate_task(self, task: NodeTask, executor: Executor) -> NodeTask | None:
-        return evaluate_task(self, task, executor)
 
     # ---------------------------------------------------------------------- execution
     def _make_graph_task(

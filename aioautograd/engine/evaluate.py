@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from aioautograd.engine.executor import Executor
 
 Grads = list[Tensor | None]
+_NO_INPUTS: Grads = []
 
 
 def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTask | None:
@@ -46,7 +47,7 @@ def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTas
         if task.outputs is not None:  # an async node finished on the loop
             outputs = _finish_outputs(graph_task, node, task.outputs, inputs)
         else:
-            task.inputs = []  # the buffer is ours now; AccumulateGrad may steal from it
+            task.inputs = _NO_INPUTS  # the buffer is ours now; AccumulateGrad may steal from it
             outputs = _call_function(graph_task, node, inputs, executor.device)
             if outputs is None:  # handed to the event loop, or nothing to run
                 return None

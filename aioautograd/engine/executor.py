@@ -85,12 +85,14 @@ class Executor:
 
     def run(self, task: NodeTask | None) -> None:
         """Evaluate ``task`` and the chain of same-device successors it makes ready."""
-        evaluate = self.engine.evaluate_task
+        from aioautograd.engine.evaluate import evaluate_task
+
+        engine = self.engine
         with self._busy_lock:
             self.busy += 1
         try:
             while task is not None:
-                task = evaluate(task, self)
+                task = evaluate_task(engine, task, self)
         finally:
             with self._busy_lock:
                 self.busy -= 1
