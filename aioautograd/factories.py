@@ -39,8 +39,7 @@ def _shape(size: tuple[Any, ...]) -> tuple[int, ...]:
 def _make(data: Any, device: DeviceLike, requires_grad: bool) -> Tensor:
     dev = as_device(device)
     if dev.type != "cpu":
-        with dev.xp.cuda.Device(dev.index):
-            data = dev.xp.asarray(data)
+        data = dev.backend.from_host(data, dev.index)
     out = Tensor(data, dev)
     if requires_grad:
         out.requires_grad_(True)
@@ -105,12 +104,8 @@ def _filled(
 ) -> Tensor:
     dev = as_device(device)
     target = np.dtype(dtype) if dtype is not None else _default_dtype
-    xp = dev.xp
-    if dev.type != "cpu":
-        with xp.cuda.Device(dev.index):
-            data = getattr(xp, fill)(_shape(size), dtype=target)
-    else:
-        data = getattr(xp, fill)(_shape(size), dtype=target)
+    with dev.backend.device_context(dev.index):
+        data = getattr(dev.xp, fill)(_shape(size), dtype=target)
     out = Tensor(data, dev)
     if requires_grad:
         out.requires_grad_(True)

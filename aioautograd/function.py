@@ -185,14 +185,20 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
     node = cls._backward_cls.__new__(cls._backward_cls)
     edges: list[Edge] = []
     needs: list[bool] = []
+    device = None
     for arg in args:
-        if isinstance(arg, Tensor) and arg._requires_grad:
-            edges.append(arg._gradient_edge())
-            needs.append(True)
-        else:
-            edges.append((None, 0))
-            needs.append(False)
+        if isinstance(arg, Tensor):
+            if device is None:
+                device = arg.device
+            if arg._requires_grad:
+                edges.append(arg._gradient_edge())
+                needs.append(True)
+                continue
+        edges.append((None, 0))
+        needs.append(False)
     Node.__init__(node, tuple(edges))
+    if device is not None and device.backend.has_streams:
+        node._stream = device.current_stream()
     node.needs_input_grad = tuple(needs)
 
     token = _grad_enabled.set(False)

@@ -169,7 +169,7 @@ async def gradgradcheck(
                     (second,) = await autograd_grad(
                         g,
                         [targets[position]],
-                        Tensor(g.xp.asarray(seed.reshape(g.shape))),
+                        Tensor(g.xp.asarray(seed.reshape(g.shape)), g.device),
                         retain_graph=True,
                         allow_unused=True,
                     )

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from aioautograd._typing import Array, DTypeLike, Shape
-from aioautograd.devices.device import CPU, Device
+from aioautograd.devices.device import CPU, Device, is_device_spec
 from aioautograd.devices.device import device as _as_device
 
 if TYPE_CHECKING:
@@ -370,9 +370,7 @@ class Tensor:
         for value in (*args, kwargs.get("device"), kwargs.get("dtype")):
             if value is None:
                 continue
-            if isinstance(value, Device) or (
-                isinstance(value, str) and value.split(":")[0] in ("cpu", "cuda")
-            ):
+            if is_device_spec(value):
                 target_device = _as_device(value)
             else:
                 target_dtype = np.dtype(value)

@@ -36,6 +36,9 @@ class Result:
     nodes: int | None
     first_value: float
     extras: dict[str, Any]
+    # A variant (``Impl.main_table`` false) has no column in the main tables; its workload's
+    # own summary table shows it.
+    variant: bool = False
 
     @property
     def per_node_us(self) -> float | None:
@@ -82,6 +85,8 @@ async def _time_once(name: str, impl: str, case: Case) -> tuple[float, float]:
     if inspect.isawaitable(outcome):
         outcome = await outcome
     elapsed = time.perf_counter() - start
+    if case.timed_s is not None:  # the case timed its own region (e.g. only the backward)
+        elapsed, case.timed_s = case.timed_s, None
     value = float(outcome)
     if not math.isfinite(value):
         raise FloatingPointError(f"{name}/{impl} gave {value}")
@@ -107,6 +112,9 @@ async def measure(
     values: dict[str, float] = {}
     if interleave:
         for round_index in range(warmup + repeats):
+            if round_index == warmup:  # the statistics a case keeps count from here on
+                for case in cases.values():
+                    case.begin_timed()
             shift = round_index % len(impls)
             for impl in impls[shift:] + impls[:shift]:
                 elapsed, value = await _time_once(name, impl, cases[impl])
@@ -121,6 +129,7 @@ async def measure(
                 _, value = await _time_once(name, impl, cases[impl])
                 values.setdefault(impl, value)
                 done += 1
+            cases[impl].begin_timed()
             for _ in range(repeats):
                 elapsed, value = await _time_once(name, impl, cases[impl])
                 values.setdefault(impl, value)
@@ -213,10 +222,13 @@ def _emit(line: dict[str, Any]) -> None:
 
 async def run_workload(
     workload: Workload, size: str, impls: set[str] | None = None, interleave: bool = False
-) -> list[Result]:
+) -> tuple[list[Result], str | None]:
+    """Measure ``workload``; print its JSON lines (and its summary's); return the results and
+    the summary's markdown table, if the workload has one."""
     params = workload.sizes[size]
     warmup, repeats = workload.repeats[size]
     cases: dict[str, Case] = {}
+    variants = {impl.name for impl in workload.impls if not impl.main_table}
     for impl in workload.impls:
         if impls is not None and impl.name not in impls:
             continue
@@ -226,9 +238,16 @@ async def run_workload(
         else:
             cases[impl.name] = impl.factory(params)
     results = await measure(workload.name, cases, warmup, repeats, interleave)
+    lines: dict[str, dict[str, Any]] = {}
     for result in results:
-        _emit({**result.as_json(), "params": params})
-    return results
+        result.variant = result.impl in variants
+        lines[result.impl] = {**result.as_json(), "params": params}
+        _emit(lines[result.impl])
+    table = None
+    if workload.summary is not None and lines:
+        summary, table = workload.summary(lines)
+        _emit({"name": workload.name, "summary": summary})
+    return results, table
 
 
 async def run_all(
@@ -242,8 +261,11 @@ async def run_all(
     start = time.perf_counter()
     _emit({"env": {**environment(threads, loop), "interleave": interleave}})
     results: dict[str, list[Result]] = {}
+    tables: dict[str, str] = {}
     for workload in workloads:
-        results[workload.name] = await run_workload(workload, size, impls, interleave)
+        results[workload.name], table = await run_workload(workload, size, impls, interleave)
+        if table is not None:
+            tables[workload.name] = table
     # Load average at the end: a busy machine (other jobs) shows here.
     _emit({"done": {"wall_s": round(time.perf_counter() - start, 1), "loadavg": os.getloadavg()}})
     print()
@@ -254,6 +276,11 @@ async def run_all(
     print("Minima (least disturbed by other load on the machine):")
     print()
     print(markdown_table(results, "min_s"))
+    for name, table in tables.items():
+        print()
+        print(f"`{name}`:")
+        print()
+        print(table)
     sys.stdout.flush()
 
 
@@ -267,8 +294,8 @@ def format_seconds(seconds: float) -> str:
 
 def markdown_table(results: dict[str, list[Result]], stat: str = "median_s") -> str:
     """One row per figure: ``stat`` (``median_s`` or ``min_s``) of every implementation, and
-    the subject's ratios to each baseline."""
-    seen = {r.impl for row in results.values() for r in row} - {SUBJECT}
+    the subject's ratios to each baseline. Variants only appear in their workload's summary."""
+    seen = {r.impl for row in results.values() for r in row if not r.variant} - {SUBJECT}
     baselines = [b for b in BASELINE_ORDER if b in seen] + sorted(seen - set(BASELINE_ORDER))
     header = ["figure", SUBJECT, *baselines, *(f"{SUBJECT} / {b}" for b in baselines)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

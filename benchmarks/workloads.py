@@ -7,9 +7,10 @@ timed region (building the graph for backward-only figures, dropping old gradien
 ``case.run()``, a plain function or a coroutine function that returns the loss (or a checksum),
 so that every repeat can be checked for a finite result.
 
-Adding a figure (4 models concurrent vs sequential, event-loop stall, GPU, distributed) is one
-more ``register(Workload(...))`` call; a case may also define ``extras()`` to add fields (e.g. a
-longest stall) to its JSON line.
+Adding a figure (GPU, distributed) is one more ``register(Workload(...))`` call; a case may
+also define ``extras()`` to add fields to its JSON line, and a workload a ``summary`` with a
+table of its own. The concurrent-training and event-loop-stall figures live in
+``benchmarks/concurrency.py`` and register themselves when this module is imported.
 
 torch, HIPS autograd and mygrad are imported inside their factories only, so this module loads
 with nothing but NumPy and aioautograd installed; ``Impl.needs`` names the modules an
@@ -37,6 +38,9 @@ class Case:
     # Backward nodes the timed region runs through (ops, not counting AccumulateGrad), for
     # the ``per_node_us`` field; ``None`` where a per-node figure means nothing (MLP steps).
     nodes: int | None = None
+    # Set by ``run()`` when the case times its own region (the stall cases time only the
+    # backward, not the heartbeat around it); the harness then records it instead.
+    timed_s: float | None = None
 
     def prepare(self) -> None:
         """Untimed set-up before each repeat (build the graph, drop old gradients)."""
@@ -49,12 +53,18 @@ class Case:
         """Extra fields for this case's JSON line."""
         return {}
 
+    def begin_timed(self) -> None:
+        """Called after the warm-up runs: statistics kept for ``extras()`` start here."""
+
 
 @dataclass(frozen=True)
 class Impl:
     name: str
     factory: Callable[[Params], Case]
     needs: tuple[str, ...] = ()  # importable modules this implementation uses
+    # False for a variant shown only in its workload's summary table, not as a column of
+    # the main tables (e.g. sequential training with one BLAS thread).
+    main_table: bool = True
 
     def missing(self) -> list[str]:
         return [name for name in self.needs if importlib.util.find_spec(name) is None]
@@ -67,6 +77,9 @@ class Workload:
     sizes: dict[str, Params]  # "full", "quick" and "tiny" (the smoke test's)
     repeats: dict[str, tuple[int, int]]  # size -> (warm-up, timed repeats)
     impls: tuple[Impl, ...] = field(default=())
+    # Optional: the JSON lines of the run (implementation -> line) -> a JSON summary and a
+    # markdown table of its own, printed after the main tables.
+    summary: Callable[[dict[str, dict[str, Any]]], tuple[dict[str, Any], str]] | None = None
 
 
 REGISTRY: dict[str, Workload] = {}
@@ -531,3 +544,8 @@ register(
         impls=_MLP_IMPLS,
     )
 )
+
+
+# The concurrent-training and event-loop-stall figures (registered on import, after the ones
+# above so that the registry keeps SPEC §8's order).
+from benchmarks import concurrency  # noqa: E402, F401

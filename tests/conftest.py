@@ -11,7 +11,7 @@ import aioautograd as ag
 
 
 def _devices() -> list[Any]:
-    devices: list[Any] = ["cpu"]
+    devices: list[Any] = ["cpu", "sim:1"]
     try:
         from aioautograd.devices import cuda
 
@@ -29,7 +29,8 @@ def _devices() -> list[Any]:
 
 @pytest.fixture(params=_devices())
 def device(request: pytest.FixtureRequest) -> str:
-    """Each device a test should run on: ``cpu`` always, ``cuda:0`` when CuPy sees a GPU."""
+    """Each device a test should run on: ``cpu`` and the simulated ``sim:1`` always,
+    ``cuda:0`` when CuPy sees a GPU."""
     return str(request.param)
 
 

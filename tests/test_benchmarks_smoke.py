@@ -2,22 +2,32 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
+import time
 
 import pytest
 
 from benchmarks import harness
+from benchmarks.concurrency import Heartbeat
 from benchmarks.harness import markdown_table, run_case
 from benchmarks.workloads import REGISTRY, SUBJECT, Impl, mlp_data
 
-# The optional third-party baselines are exercised by `benchmarks/run.py` itself.
+# The optional third-party baselines are exercised by `benchmarks/run.py` itself; variants
+# of these ("aioautograd-seq", "torch-threads", ...) are checked too.
 _CHECKED = (SUBJECT, "numpy", "torch")
+
+
+def _checked(name: str) -> bool:
+    return any(name == base or name.startswith(f"{base}-") for base in _CHECKED)
+
 
 _CASES = [
     pytest.param(workload, impl, id=f"{workload.name}-{impl.name}")
     for workload in REGISTRY.values()
     for impl in workload.impls
-    if impl.name in _CHECKED
+    if _checked(impl.name)
 ]
 
 
@@ -59,3 +69,44 @@ async def test_measure_and_table(interleave: bool, monkeypatch: pytest.MonkeyPat
     assert result.repeats == 2
     assert result.as_json()["per_node_us"] >= 0
     assert "| chain |" in markdown_table({"chain": [result]})
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", ["concurrent", "stall", "stall_chain"])
+async def test_summary_workloads(
+    name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The aioautograd side of the concurrency figures, measured once at the tiny size, with
+    # their JSON summary and table (no timing assertions).
+    pytest.importorskip("threadpoolctl")
+    monkeypatch.setattr(harness, "MIN_WARMUP_S", 0.0)
+    workload = REGISTRY[name]
+    impls = {impl.name for impl in workload.impls if impl.name.startswith(SUBJECT)}
+    results, table = await harness.run_workload(workload, "tiny", impls)
+    assert {r.impl for r in results} == impls
+    assert all(math.isfinite(r.first_value) for r in results)
+    assert table is not None
+    assert "| aioautograd |" in table
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    (summary,) = [line["summary"] for line in lines if "summary" in line]
+    if name == "concurrent":
+        # Same initial weights and batches: the schedule does not change the losses.
+        values = {r.first_value for r in results}
+        assert max(values) - min(values) <= 1e-4 * max(abs(v) for v in values)
+        assert summary["speedup"] > 0
+    else:
+        assert summary[SUBJECT]["ticks"] >= 1
+        assert summary[SUBJECT]["tick_max_ms"] >= 0
+    # Variants have no column of their own in the main table.
+    assert "aioautograd-" not in markdown_table({name: results}).splitlines()[0]
+
+
+async def test_heartbeat_sees_a_blocked_loop() -> None:
+    heartbeat = Heartbeat(0.001)
+    heartbeat.start()
+    await asyncio.sleep(0.003)
+    start = time.perf_counter()
+    time.sleep(0.02)  # blocks the loop, as an inline backward would  # noqa: ASYNC251
+    end = time.perf_counter()
+    await heartbeat.stop()
+    assert max(heartbeat.delays_s(start, end)) >= 0.015

@@ -21,6 +21,7 @@ from aioautograd.grad_mode import _grad_enabled
 if TYPE_CHECKING:
     from aioautograd._typing import Shape
     from aioautograd.devices.device import Device
+    from aioautograd.devices.streams import Stream
     from aioautograd.tensor import Tensor
 
 Edge = tuple["Node | None", int]
@@ -53,6 +54,7 @@ class Node:
         "_post_hooks",
         "_pre_hooks",
         "_retains_grad_hooks",
+        "_stream",
         "_tensor_pre_hooks",
         "sequence_nr",
         "topological_nr",
@@ -70,6 +72,8 @@ class Node:
         self._tensor_pre_hooks: dict[int, HookDict] | None = None
         self._retains_grad_hooks: dict[int, weakref.ReferenceType[Tensor]] | None = None
         self._metadata: dict[str, Any] | None = None
+        # The stream current at forward on an accelerator; backward runs on it.
+        self._stream: Stream | None = None
         # The engine holds it while applying the node: never two graph tasks at once.
         self._lock = threading.Lock()
 
@@ -90,6 +94,11 @@ class Node:
     def next_functions(self) -> tuple[Edge, ...]:
         """``((node, input_nr), ...)``: where each output gradient flows."""
         return self._next_edges
+
+    @property
+    def stream(self) -> Stream | None:
+        """The stream this node's backward runs on (``None`` for CPU nodes)."""
+        return self._stream
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -190,6 +199,9 @@ class AccumulateGrad(Node):
     def __init__(self, variable: Tensor) -> None:
         super().__init__((), sequence_nr=_ACCUMULATE_SEQUENCE_NR)
         self.variable = variable
+        device = variable.device
+        if device.backend.has_streams:
+            self._stream = device.current_stream()
         if variable._backward_hooks is None:
             variable._backward_hooks = HookDict()
         self._tensor_pre_hooks = {0: variable._backward_hooks}

@@ -1,30 +1,72 @@
-"""`Device`: a (type, index) pair that knows its array module.
+"""`Device`: a (type, index) pair that knows its backend and array module.
 
-Backend choice is data, not code paths: ops call ``device.xp.<fn>`` and never
-branch on CPU versus CUDA.
+Backend choice is data, not code paths: ops call ``device.xp.<fn>`` and never branch on
+CPU versus CUDA. Each device type has a `Backend` (``cpu`` here, ``cuda`` in ``cuda.py``,
+``sim`` in ``simulated.py``) that knows how to move arrays and, for accelerators, streams.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from aioautograd.devices.streams import Stream
 
 _cache: dict[tuple[str, int | None], Device] = {}
 _cache_lock = threading.Lock()
 
 
+class Backend:
+    """What a device type provides. The CPU backend: NumPy, no streams."""
+
+    xp: Any = np
+    has_streams = False
+
+    def check(self, index: int | None) -> None:
+        """Raise a clear error if device ``index`` cannot be used."""
+
+    @contextlib.contextmanager
+    def device_context(self, index: int | None) -> Iterator[None]:
+        """Make ``index`` the current device of this type (CUDA's ``with Device(i)``)."""
+        yield
+
+    def to_host(self, array: Any) -> np.ndarray[Any, Any]:
+        return np.asarray(array)
+
+    def from_host(self, array: np.ndarray[Any, Any], index: int | None) -> Any:
+        return array
+
+    def current_stream(self, index: int | None) -> Stream | None:
+        return None
+
+    def new_stream(self, index: int | None) -> Stream:
+        raise RuntimeError(f"{type(self).__name__} devices have no streams")
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: Stream | None, label: str = "") -> Iterator[None]:
+        """Make ``stream`` current on this thread/context for the duration of the block."""
+        yield
+
+
+CPU_BACKEND = Backend()
+
+
 class Device:
-    """A device such as ``cpu`` or ``cuda:0``. Instances are interned: compare with ``is``.
+    """A device such as ``cpu``, ``cuda:0`` or ``sim:1``. Interned: compare with ``is``.
 
     Use :func:`device` to obtain one; it parses PyTorch-style strings.
     """
 
-    __slots__ = ("index", "type", "xp")
+    __slots__ = ("backend", "index", "type", "xp")
 
     type: str
     index: int | None
+    backend: Backend
     xp: Any
 
     def __new__(cls, type: str, index: int | None = None) -> Device:
@@ -32,15 +74,26 @@ class Device:
         dev = _cache.get(key)
         if dev is not None:
             return dev
+        backend = _backend(type)
+        backend.check(index)
         with _cache_lock:
             dev = _cache.get(key)
             if dev is None:
                 dev = object.__new__(cls)
                 dev.type = type
                 dev.index = index
-                dev.xp = _array_module(type, index)
+                dev.backend = backend
+                dev.xp = backend.xp
                 _cache[key] = dev
         return dev
+
+    @property
+    def has_streams(self) -> bool:
+        return self.backend.has_streams
+
+    def current_stream(self) -> Stream | None:
+        """The stream that work on this device is issued to now (``None`` on CPU)."""
+        return self.backend.current_stream(self.index)
 
     def __repr__(self) -> str:
         return f"device(type='{self.type}'" + (
@@ -54,21 +107,48 @@ class Device:
         return (Device, (self.type, self.index))
 
 
-def _array_module(type: str, index: int | None) -> Any:
+def _backend(type: str) -> Backend:
     if type == "cpu":
-        return np
+        return CPU_BACKEND
     if type == "cuda":
         from aioautograd.devices import cuda
 
-        return cuda.array_module(index or 0)
-    raise ValueError(f"unknown device type {type!r}: expected 'cpu' or 'cuda[:N]'")
+        return cuda.backend()
+    if type == "sim":
+        from aioautograd.devices import simulated
+
+        return simulated.BACKEND
+    raise ValueError(f"unknown device type {type!r}: expected 'cpu', 'cuda[:N]' or 'sim[:N]'")
 
 
 CPU = Device("cpu")
 
 
+def stash_current_streams() -> dict[Device, Stream]:
+    """The current stream of every accelerator device in use (PyTorch's
+    ``stash_current_streams``): read on the caller's thread when a backward pass starts."""
+    return {
+        dev: stream
+        for dev in tuple(_cache.values())
+        if dev.backend.has_streams and (stream := dev.current_stream()) is not None
+    }
+
+
+DEVICE_TYPES = ("cpu", "cuda", "sim")
+
+
+def is_device_spec(value: object) -> bool:
+    """Whether ``value`` names a device (a Device, or a string like ``"cuda:1"``)."""
+    return isinstance(value, Device) or (
+        isinstance(value, str) and value.partition(":")[0] in DEVICE_TYPES
+    )
+
+
 def device(spec: str | Device | None = None) -> Device:
-    """Parse ``spec`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a :class:`Device` or ``None``).
+    """Parse ``spec`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"sim:0"``, a Device or None).
+
+    ``sim`` devices are the simulated accelerator used by tests (NumPy arrays, streams and
+    events that log their ordering); see :mod:`aioautograd.devices.simulated`.
 
     Raises:
         ValueError: for an unknown device string.
@@ -85,10 +165,10 @@ def device(spec: str | Device | None = None) -> Device:
         if idx not in ("", "0"):
             raise ValueError(f"invalid device {spec!r}: cpu has no index")
         return CPU
-    if name == "cuda":
+    if name in ("cuda", "sim"):
         try:
             index = int(idx) if idx else 0
         except ValueError:
-            raise ValueError(f"invalid device {spec!r}: expected 'cuda:N'") from None
-        return Device("cuda", index)
-    raise ValueError(f"unknown device {spec!r}: expected 'cpu', 'cuda' or 'cuda:N'")
+            raise ValueError(f"invalid device {spec!r}: expected '{name}:N'") from None
+        return Device(name, index)
+    raise ValueError(f"unknown device {spec!r}: expected 'cpu', 'cuda', 'cuda:N' or 'sim:N'")

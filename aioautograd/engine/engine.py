@@ -11,9 +11,9 @@ from typing import Any, ClassVar
 from aioautograd.anomaly_mode import _anomaly
 from aioautograd.autograd.node import Edge, GraphRoot, Node
 from aioautograd.devices.device import Device
-from aioautograd.engine.evaluate import buffer_device
 from aioautograd.engine.executor import Executor
 from aioautograd.engine.graph_task import GraphTask, current_graph_task
+from aioautograd.engine.input_buffer import buffer_device
 from aioautograd.engine.ready_queue import NodeTask
 from aioautograd.engine.validate import validate_outputs
 from aioautograd.tensor import Tensor
@@ -119,6 +119,12 @@ class Engine:
             loop=loop if loop is not None else (parent.loop if parent is not None else None),
             parent=parent,
         )
+        for (node, _), grad in zip(roots, checked, strict=True):
+            # The root gradient was made on the caller's stream; the root node runs on its own.
+            if grad is not None and node is not None and node._stream is not None:
+                caller = graph_task.caller_streams.get(grad.device)
+                if caller is not None:
+                    node._stream.wait_stream(caller)
         root: Node
         if len(roots) == 1 and roots[0][0] is not None:
             # One root: start at its node directly (PyTorch skips the dummy GraphRoot too).

@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from aioautograd.anomaly_mode import current_node
-from aioautograd.autograd.node import Node
+from aioautograd.autograd.node import AccumulateGrad, Node
 from aioautograd.autograd.saved import describe
-from aioautograd.devices.device import CPU, Device
+from aioautograd.devices.device import Device
 from aioautograd.engine.graph_task import GraphTask, current_graph_task, enter_graph_task
+from aioautograd.engine.input_buffer import accumulate
 from aioautograd.engine.ready_queue import NodeTask
 from aioautograd.engine.validate import validate_outputs
 from aioautograd.tensor import Tensor
@@ -85,20 +86,30 @@ def _call_function(
             graph_task.start_async_node(node, inputs)
             return None
         outputs = asyncio.run(node.apply(inputs))  # type: ignore[arg-type]
-    elif graph_task.anomaly.enabled or graph_task.profiler is not None:
+        return _finish_outputs(graph_task, node, outputs, inputs)
+    stream = node._stream
+    if stream is None:
+        if graph_task.anomaly.enabled or graph_task.profiler is not None:
+            outputs = _apply_observed(graph_task, node, inputs, device)
+        else:
+            with node._lock:
+                outputs = node.apply(inputs)
+        return _finish_outputs(graph_task, node, outputs, inputs)
+    # An accelerator node: its backward (and the validation of its outputs) runs on the
+    # stream that was current at its forward.
+    with stream.device.backend.use_stream(stream, node.name()):
         outputs = _apply_observed(graph_task, node, inputs, device)
-    else:
-        with node._lock:
-            outputs = node.apply(inputs)
-    return _finish_outputs(graph_task, node, outputs, inputs)
+        if isinstance(node, AccumulateGrad):
+            graph_task.leaf_streams.add(stream)
+        return _finish_outputs(graph_task, node, outputs, inputs)
 
 
 def _apply_observed(
     graph_task: GraphTask, node: Node, inputs: Grads, device: Device
 ) -> Sequence[Tensor | None]:
-    """``node.apply`` under anomaly mode (parent tracking) and/or the profiler."""
+    """``node.apply`` with anomaly mode (parent tracking) and the profiler, when enabled."""
     token = current_node.set(node) if graph_task.anomaly.enabled else None
-    start = time.perf_counter_ns()
+    start = time.perf_counter_ns() if graph_task.profiler is not None else 0
     try:
         with node._lock:
             return node.apply(inputs)
@@ -176,6 +187,7 @@ def _make_ready(
 ) -> NodeTask | None:
     """Dependency bookkeeping: fill input buffers, collect ready successors, push them."""
     exec_info = graph_task.exec_info
+    producer = node._stream
     ready: list[NodeTask] = []
     with graph_task.lock:
         dependencies = graph_task.dependencies
@@ -194,14 +206,14 @@ def _make_ready(
                 buffer = not_ready.pop(next_node, None)
                 if buffer is None:
                     buffer = [None] * len(next_node._input_metadata)
-                _accumulate(buffer, input_nr, grad)
+                accumulate(buffer, input_nr, grad, producer, next_node._stream)
                 ready.append(NodeTask(graph_task, next_node, buffer))
             else:
                 dependencies[next_node] = count - 1
                 buffer = not_ready.get(next_node)
                 if buffer is None:
                     buffer = not_ready[next_node] = [None] * len(next_node._input_metadata)
-                _accumulate(buffer, input_nr, grad)
+                accumulate(buffer, input_nr, grad, producer, next_node._stream)
         graph_task.outstanding_tasks += len(ready) - 1
         done = graph_task.outstanding_tasks == 0
     if done:
@@ -210,19 +222,3 @@ def _make_ready(
     if not ready:
         return None
     return engine.dispatch(ready, device)
-
-
-def _accumulate(buffer: Grads, position: int, grad: Tensor | None) -> None:
-    """``InputBuffer::add``: sum gradients arriving at the same input."""
-    if grad is None:
-        return
-    old = buffer[position]
-    buffer[position] = grad if old is None else old + grad
-
-
-def buffer_device(buffer: Grads) -> Device:
-    """The device a task runs on: that of its first defined input gradient (else CPU)."""
-    for grad in buffer:
-        if grad is not None:
-            return grad.device
-    return CPU

@@ -79,9 +79,9 @@ class Executor:
         numpy.seterr(all="ignore")
         queue = self.queue
         while True:
-            task = queue.pop()
-            if task is not None:
-                self.run(task)
+            # No local reference survives the call: an idle worker must not keep the last
+            # graph (and its buffers) alive until its next task.
+            self.run(queue.pop())
 
     def run(self, task: NodeTask | None) -> None:
         """Evaluate ``task`` and the chain of same-device successors it makes ready."""
@@ -113,9 +113,7 @@ class Executor:
                 return graph_task.completed
 
             while not graph_task.completed:
-                task = self.queue.pop(completed)
-                if task is not None:
-                    self.run(task)
+                self.run(self.queue.pop(completed))
         finally:
             worker_state.depth -= 1
 

@@ -22,12 +22,14 @@ from typing import TYPE_CHECKING, Any
 from aioautograd.anomaly_mode import AnomalyMode, _anomaly
 from aioautograd.autograd.node import AccumulateGrad, Edge, Node
 from aioautograd.autograd.saved import describe
+from aioautograd.devices.device import stash_current_streams
 from aioautograd.engine.ready_queue import DEPTH_SHIFT, NodeTask, ReadyQueue
 from aioautograd.grad_mode import _grad_enabled
 from aioautograd.profiler.recorder import active_profiler
 
 if TYPE_CHECKING:
     from aioautograd.devices.device import Device
+    from aioautograd.devices.streams import Event, Stream
     from aioautograd.engine.engine import Engine
     from aioautograd.tensor import Tensor
 
@@ -99,6 +101,10 @@ class GraphTask:
         self._done_event: threading.Event | None = None
         self._async_context: contextvars.Context | None = None
         self._async_tasks: set[asyncio.Task[None]] = set()
+        # Streams: the caller's current ones, and those of the leaves that were accumulated
+        # into; joined at completion so the caller may read ``.grad`` on its own streams.
+        self.caller_streams = stash_current_streams()
+        self.leaf_streams: set[Stream] = set()
         recorder = active_profiler.get()
         self.profiler = recorder if recorder is not None or parent is None else parent.profiler
 
@@ -286,6 +292,9 @@ class GraphTask:
             if self.error is not None:
                 raise self.error
             self._check_not_ready()
+            events = self._join_leaf_streams()
+            if events:  # wait for the device through a thread: the loop keeps serving
+                await asyncio.to_thread(_synchronize, events)
             await self._run_final_callbacks()
         except BaseException as exc:
             self.future_result.set_exception(exc)
@@ -309,6 +318,7 @@ class GraphTask:
         if self.error is not None:
             raise self.error
         self._check_not_ready()
+        _synchronize(self._join_leaf_streams())
         token = current_graph_task.set(self)
         try:
             while self.final_callbacks:
@@ -325,6 +335,18 @@ class GraphTask:
             asyncio.run_coroutine_threadsafe(coroutine, loop).result()
         else:
             asyncio.run(coroutine)
+
+    def _join_leaf_streams(self) -> list[Event]:
+        """Make the caller's streams wait for the leaf streams; return events to await."""
+        if not self.leaf_streams:
+            return []
+        joined: dict[Device, Stream] = {}
+        for leaf in self.leaf_streams:
+            caller = self.caller_streams.get(leaf.device)
+            if caller is not None:
+                caller.wait_stream(leaf)
+                joined[leaf.device] = caller
+        return [caller.record_event() for caller in joined.values()]
 
     def _prepare_async_context(self) -> None:
         context = contextvars.copy_context()
@@ -380,3 +402,8 @@ def _annotate(
             )
         current = metadata.get("parent_")
         induced = True
+
+
+def _synchronize(events: list[Event]) -> None:
+    for event in events:
+        event.synchronize()

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, TypeVar, cast
 
 import numpy as np
 
-from aioautograd.devices.device import Device
+from aioautograd.devices.device import Device, is_device_spec
 from aioautograd.devices.device import device as as_device
 from aioautograd.grad_mode import no_grad
 from aioautograd.nn.parameter import Parameter
@@ -521,9 +521,7 @@ def _parse_to_args(
     for value in (*args, kwargs.pop("device", None), kwargs.pop("dtype", None)):
         if value is None:
             continue
-        if isinstance(value, Device) or (
-            isinstance(value, str) and value.split(":")[0] in ("cpu", "cuda")
-        ):
+        if is_device_spec(value):
             target_device = as_device(value)
         else:
             target_dtype = np.dtype(value)

@@ -21,7 +21,7 @@ class Op(Function):
 
 def wrap(result: Any, device: Device) -> Tensor:
     """A tensor holding ``result``; NumPy returns scalars for 0-d results, make them arrays."""
-    if type(result) is not _ndarray and device.type == "cpu":
+    if type(result) is not _ndarray and device.xp is np:
         result = np.asarray(result)
     return Tensor(result, device)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from aioautograd.function import check_inplace
 from aioautograd.grad_mode import is_grad_enabled
 from aioautograd.ops._util import Op, as_tensor_like
@@ -18,7 +20,7 @@ def _check_target(x: Tensor, *sources: Any) -> None:
         x._requires_grad or any(isinstance(s, Tensor) and s._requires_grad for s in sources)
     ):
         check_inplace(x)
-    if not x.data.flags.writeable if x.device.type == "cpu" else False:
+    if x.xp is np and not x.data.flags.writeable:
         raise RuntimeError(
             "this tensor's memory is read-only (it is an expanded/broadcast view); clone() it "
             "before modifying it in place"

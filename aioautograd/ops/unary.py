@@ -38,11 +38,11 @@ class ToDevice(Op):
     @staticmethod
     def forward(ctx: Any, x: Tensor, device: Device) -> Tensor:
         ctx.device = x.device
-        if device.type == "cpu":
-            data = x.data.get() if x.device.type == "cuda" else x.data
-            return wrap(data.copy() if data is x.data else data, device)
-        with device.xp.cuda.Device(device.index):
-            return Tensor(device.xp.asarray(x.data), device)
+        host = x.device.backend.to_host(x.data)
+        data = device.backend.from_host(host, device.index)
+        if data is x.data:
+            data = data.copy()
+        return wrap(data, device)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:

@@ -1,0 +1,166 @@
+"""Backend options: timeouts shared by every backend, plus what each transport needs.
+
+The gRPC options read the launcher's environment (``MASTER_ADDR``, ``MASTER_PORT``,
+``AIOAUTOGRAD_RPC_TOKEN`` and the optional ``AIOAUTOGRAD_TLS_*`` files) for every field left
+unset, so a script started by ``python -m aioautograd.distributed.run`` needs none of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_RPC_TIMEOUT = 60.0
+
+
+@dataclass
+class RpcBackendOptions:
+    """Options common to all backends.
+
+    Attributes:
+        rpc_timeout: Default timeout of one call in seconds (``rpc_async(timeout=None)``);
+            ``0`` means no timeout, as in PyTorch.
+        init_timeout: How long ``init_rpc`` waits for the other workers to join.
+        shutdown_timeout: How long a graceful ``shutdown`` waits for the other workers.
+        num_worker_threads: Threads that run plain (non-``async``) remote functions.
+    """
+
+    rpc_timeout: float = DEFAULT_RPC_TIMEOUT
+    init_timeout: float = 60.0
+    shutdown_timeout: float = 60.0
+    num_worker_threads: int = 16
+
+
+@dataclass
+class LocalOptions(RpcBackendOptions):
+    """Options of the ``local`` backend (several workers in one process, on one loop).
+
+    Attributes:
+        group: Workers that pass the same group name form one world; use distinct names to
+            run several worlds in one process at once.
+    """
+
+    group: str = "default"
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """PEM material for TLS on the ``grpc`` backend.
+
+    Every worker is both a server and a client: ``certificate_chain``/``private_key`` identify
+    it in both roles, and ``root_certificates`` (a CA bundle) verifies its peers.
+
+    Attributes:
+        certificate_chain: This worker's certificate chain (PEM bytes).
+        private_key: The matching private key (PEM bytes).
+        root_certificates: The CA certificates that sign the peers' certificates.
+        mutual: Require and verify client certificates too (mutual TLS).
+        server_name: The name to check in peers' certificates instead of the host part of
+            their address (e.g. ``"localhost"`` when certificates carry no IP address).
+    """
+
+    certificate_chain: bytes
+    private_key: bytes
+    root_certificates: bytes
+    mutual: bool = False
+    server_name: str | None = None
+
+    @classmethod
+    def from_files(
+        cls,
+        certificate_chain: str | os.PathLike[str],
+        private_key: str | os.PathLike[str],
+        root_certificates: str | os.PathLike[str],
+        *,
+        mutual: bool = False,
+        server_name: str | None = None,
+    ) -> TLSConfig:
+        """Read the PEM files; see the class attributes for their roles."""
+        return cls(
+            Path(certificate_chain).read_bytes(),
+            Path(private_key).read_bytes(),
+            Path(root_certificates).read_bytes(),
+            mutual=mutual,
+            server_name=server_name,
+        )
+
+    @classmethod
+    def from_env(cls) -> TLSConfig | None:
+        """TLS from ``AIOAUTOGRAD_TLS_CERT``/``_KEY``/``_CA`` (``_MUTUAL=1``, ``_SERVER_NAME``).
+
+        Returns ``None`` when ``AIOAUTOGRAD_TLS_CERT`` is not set.
+        """
+        cert = os.environ.get("AIOAUTOGRAD_TLS_CERT")
+        if not cert:
+            return None
+        return cls.from_files(
+            cert,
+            os.environ["AIOAUTOGRAD_TLS_KEY"],
+            os.environ["AIOAUTOGRAD_TLS_CA"],
+            mutual=os.environ.get("AIOAUTOGRAD_TLS_MUTUAL", "0") == "1",
+            server_name=os.environ.get("AIOAUTOGRAD_TLS_SERVER_NAME") or None,
+        )
+
+
+@dataclass
+class GrpcOptions(RpcBackendOptions):
+    """Options of the ``grpc`` backend (workers in separate processes or machines).
+
+    Rank 0 listens on ``master_addr:master_port`` and gathers the directory of workers; every
+    other rank listens on ``host:port`` (port 0: any free port) and joins through it.
+
+    Attributes:
+        master_addr: Address of rank 0 (default: ``MASTER_ADDR``, else ``127.0.0.1``).
+        master_port: Port of rank 0 (default: ``MASTER_PORT``).
+        host: The address this worker listens on and advertises (default:
+            ``AIOAUTOGRAD_HOST``, else ``master_addr``, which suits loopback and
+            single-interface hosts).
+        port: This worker's port for ranks other than 0 (default 0: chosen by the OS).
+        token: The shared secret every call must carry (default: ``AIOAUTOGRAD_RPC_TOKEN``);
+            required.
+        tls: TLS material (default: :meth:`TLSConfig.from_env`); ``None`` means plain TCP,
+            acceptable on loopback only.
+        heartbeat_interval: Seconds between heartbeats to each peer.
+        heartbeat_timeout: A peer that has not answered for this long is marked dead: calls
+            in flight to it fail and later ones fail at once.
+    """
+
+    master_addr: str | None = None
+    master_port: int | None = None
+    host: str | None = None
+    port: int = 0
+    token: str | None = None
+    tls: TLSConfig | None = None
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 5.0
+
+    def resolved(self) -> GrpcOptions:
+        """A copy with the environment's values filled in; raises if something is missing."""
+        master_addr = self.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        master_port = self.master_port
+        if master_port is None:
+            env_port = os.environ.get("MASTER_PORT")
+            if not env_port:
+                raise ValueError(
+                    "the grpc backend needs the master's port: pass GrpcOptions(master_port=...) "
+                    "or set MASTER_PORT (python -m aioautograd.distributed.run does)"
+                )
+            master_port = int(env_port)
+        token = self.token or os.environ.get("AIOAUTOGRAD_RPC_TOKEN")
+        if not token:
+            raise ValueError(
+                "the grpc backend needs a shared token: pass GrpcOptions(token=...) or set "
+                "AIOAUTOGRAD_RPC_TOKEN (python -m aioautograd.distributed.run generates one)"
+            )
+        if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError("need 0 < heartbeat_interval < heartbeat_timeout")
+        return dataclasses.replace(
+            self,
+            master_addr=master_addr,
+            master_port=master_port,
+            host=self.host or os.environ.get("AIOAUTOGRAD_HOST") or master_addr,
+            token=token,
+            tls=self.tls if self.tls is not None else TLSConfig.from_env(),
+        )

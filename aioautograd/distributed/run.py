@@ -1,0 +1,176 @@
+"""Launch a world of worker processes: ``python -m aioautograd.distributed.run``.
+
+Usage::
+
+    python -m aioautograd.distributed.run --nproc 2 train.py --epochs 3
+    python -m aioautograd.distributed.run --nproc 4 -m mypackage.train
+
+Starts ``--nproc`` processes of the script (or module), each with ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``AIOAUTOGRAD_RPC_TOKEN`` (a fresh random
+token unless one is set already) and ``AIOAUTOGRAD_RPC_BACKEND=grpc`` in the environment, so
+that ``await rpc.init_rpc(f"worker{rank}")`` needs no other argument. Their standard output
+and error are streamed line by line with a ``[rank N]`` prefix. If one process fails (exits
+with a non-zero code or is killed), the others are terminated (SIGTERM, then SIGKILL after
+``--kill-timeout`` seconds) and the launcher exits with the failed process's code; it exits
+with 0 when all processes do. Ctrl-C stops them all.
+
+Only local processes are started. For several machines, start each worker with the same
+variables set by hand (the same token, rank 0's address as ``MASTER_ADDR``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from typing import BinaryIO
+
+_LINE_LIMIT = 1 << 24  # longest output line relayed (bytes)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m aioautograd.distributed.run",
+        description="Start N local worker processes of an aioautograd RPC world.",
+    )
+    parser.add_argument("--nproc", type=int, required=True, help="number of processes")
+    parser.add_argument("--master-addr", default="127.0.0.1", help="rank 0's address")
+    parser.add_argument("--master-port", type=int, default=0, help="rank 0's port (0: free)")
+    parser.add_argument("--backend", default="grpc", help="AIOAUTOGRAD_RPC_BACKEND to set")
+    parser.add_argument(
+        "--kill-timeout",
+        type=float,
+        default=5.0,
+        help="seconds between SIGTERM and SIGKILL when stopping the processes",
+    )
+    parser.add_argument("-m", dest="module", action="store_true", help="run a module")
+    parser.add_argument("script", help="the script (or, with -m, the module) to run")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    args = parser.parse_args(argv)
+    if args.nproc < 1:
+        parser.error("--nproc must be at least 1")
+    return args
+
+
+class _Launcher:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.procs: list[asyncio.subprocess.Process] = []
+        self.stopping = False
+        self.signal_tasks: set[asyncio.Task[None]] = set()
+
+    def _env(self, rank: int, port: int, token: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(self.args.nproc),
+            LOCAL_WORLD_SIZE=str(self.args.nproc),
+            MASTER_ADDR=self.args.master_addr,
+            MASTER_PORT=str(port),
+            AIOAUTOGRAD_RPC_TOKEN=token,
+            AIOAUTOGRAD_RPC_BACKEND=self.args.backend,
+            PYTHONUNBUFFERED="1",
+        )
+        return env
+
+    async def run(self) -> int:
+        args = self.args
+        port = args.master_port or _free_port(args.master_addr)
+        token = os.environ.get("AIOAUTOGRAD_RPC_TOKEN") or secrets.token_urlsafe(32)
+        command = [sys.executable, *(["-m"] if args.module else []), args.script, *args.args]
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        failure = 0
+        try:
+            async with asyncio.TaskGroup() as group:
+                for rank in range(args.nproc):
+                    proc = await asyncio.create_subprocess_exec(
+                        *command,
+                        env=self._env(rank, port, token),
+                        stdin=asyncio.subprocess.DEVNULL,
+                        stdout=asyncio.subprocess.PIPE,
+                        stderr=asyncio.subprocess.PIPE,
+                        start_new_session=True,  # so that stopping reaches its children too
+                        limit=_LINE_LIMIT,
+                    )
+                    self.procs.append(proc)
+                    assert proc.stdout is not None
+                    assert proc.stderr is not None
+                    group.create_task(_pump(proc.stdout, sys.stdout.buffer, rank))
+                    group.create_task(_pump(proc.stderr, sys.stderr.buffer, rank))
+                waiters = [_exit_of(rank, proc) for rank, proc in enumerate(self.procs)]
+                for finished in asyncio.as_completed(waiters):
+                    rank, code = await finished
+                    if code != 0 and not failure:
+                        failure = code if code > 0 else 128 - code  # killed by signal -code
+                        self._say(f"rank {rank} exited with code {code}; stopping the others")
+                        group.create_task(self._stop_all())
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+        return failure
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self._say(f"received {sig.name}; stopping all processes")
+        task = asyncio.get_running_loop().create_task(self._stop_all())
+        self.signal_tasks.add(task)
+        task.add_done_callback(self.signal_tasks.discard)
+
+    async def _stop_all(self) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        running = [p for p in self.procs if p.returncode is None]
+        for proc in running:
+            _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            async with asyncio.timeout(self.args.kill_timeout):
+                await asyncio.gather(*(p.wait() for p in running))
+        except TimeoutError:
+            for proc in running:
+                if proc.returncode is None:
+                    _signal_group(proc.pid, signal.SIGKILL)
+
+    @staticmethod
+    def _say(text: str) -> None:
+        sys.stderr.write(f"[launcher] {text}\n")
+        sys.stderr.flush()
+
+
+async def _exit_of(rank: int, proc: asyncio.subprocess.Process) -> tuple[int, int]:
+    return rank, await proc.wait()
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+async def _pump(stream: asyncio.StreamReader, out: BinaryIO, rank: int) -> None:
+    prefix = f"[rank {rank}] ".encode()
+    while line := await stream.readline():
+        out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+        out.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the launcher; returns the exit code (see the module docstring)."""
+    return asyncio.run(_Launcher(_parse(argv)).run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

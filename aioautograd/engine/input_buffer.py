@@ -1,0 +1,55 @@
+"""Input buffers: the gradients a node has received so far, one slot per input.
+
+``accumulate`` is PyTorch's ``InputBuffer::add``: gradients arriving at the same input are
+summed, and on accelerators the consumer's stream is made to wait (on the device, with an
+event) for the producer's stream before it touches a gradient the producer computed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aioautograd.devices.device import CPU, Device
+
+if TYPE_CHECKING:
+    from aioautograd.devices.streams import Stream
+    from aioautograd.tensor import Tensor
+
+InputBuffer = list["Tensor | None"]
+
+
+def accumulate(
+    buffer: InputBuffer,
+    position: int,
+    grad: Tensor | None,
+    producer: Stream | None,
+    consumer: Stream | None,
+) -> None:
+    """Add ``grad`` into ``buffer[position]``, ordering ``consumer`` after ``producer``."""
+    if grad is None:
+        return
+    old = buffer[position]
+    if producer is None and consumer is None:  # CPU
+        buffer[position] = grad if old is None else old + grad
+        return
+    if (
+        consumer is not None
+        and producer is not None
+        and consumer != producer
+        and (grad.device is consumer.device)
+    ):
+        consumer.wait_event(producer.record_event())
+    if old is None:
+        buffer[position] = grad
+        return
+    stream = consumer if consumer is not None and grad.device is consumer.device else producer
+    with grad.device.backend.use_stream(stream, "accumulate"):
+        buffer[position] = old + grad
+
+
+def buffer_device(buffer: InputBuffer) -> Device:
+    """The device a task runs on: that of its first defined input gradient (else CPU)."""
+    for grad in buffer:
+        if grad is not None:
+            return grad.device
+    return CPU

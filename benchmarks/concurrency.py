@@ -1,0 +1,763 @@
+"""The SPEC §8 figures about concurrency: ``concurrent`` (4 models trained at once with
+``asyncio.gather`` vs one after another) and ``stall`` / ``stall_chain`` (how late a 1 ms
+heartbeat on the event loop runs while a large backward is under way).
+
+Registered into ``benchmarks.workloads.REGISTRY`` when that module is imported. Both figures
+have variants (``Impl.main_table`` false) that only appear in their own summary table: the
+main tables keep one column per library.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import gc
+import itertools
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import numpy as np
+
+import aioautograd as ag
+from benchmarks.workloads import (
+    CHAIN_FACTOR,
+    SUBJECT,
+    Case,
+    Impl,
+    Params,
+    Workload,
+    aio_cross_entropy,
+    aio_relu,
+    mlp_data,
+    register,
+)
+
+# --------------------------------------------------------------------------------- helpers
+
+
+def _format_s(seconds: float) -> str:
+    if seconds >= 1.0:
+        return f"{seconds:.3g} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} µs"
+
+
+def _format_ms(ms: float) -> str:
+    return f"{ms:.3g} ms"
+
+
+@functools.cache
+def _threadpool_controller() -> Any:
+    """threadpoolctl's view of the loaded thread pools, made once (making it scans the loaded
+    libraries: ~0.2 ms; limiting through it then costs a few µs)."""
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController()
+
+
+def _blas_limit(threads: int | None) -> AbstractContextManager[Any]:
+    """NumPy's BLAS limited to ``threads`` while the context is active (``None``: as is)."""
+    if threads is None:
+        return nullcontext()
+    return _threadpool_controller().limit(limits=threads, user_api="blas")
+
+
+@contextmanager
+def _switch_interval(seconds: float | None) -> Iterator[None]:
+    """``sys.setswitchinterval(seconds)`` while the context is active (``None``: as is)."""
+    previous = sys.getswitchinterval()
+    if seconds is not None:
+        sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
+
+
+def _blas_threads_now() -> int | None:
+    """Threads of NumPy's BLAS as threadpoolctl sees them (``None`` if it cannot tell)."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return None
+    pools = [p for p in threadpool_info() if p.get("user_api") == "blas"]
+    numpy_pools = [p for p in pools if "numpy" in str(p.get("filepath", ""))]
+    chosen = numpy_pools or pools
+    return int(chosen[0]["num_threads"]) if chosen else None
+
+
+# ------------------------------------------------------------------------------ concurrent
+# `models` MLPs (same widths, weights and batch drawn from seeds 0..models-1), each trained
+# for `steps` SGD-with-momentum steps on its own fixed batch. One repeat trains all of them
+# from their initial weights (reset untimed in `prepare`, optimizers recreated). The value
+# is the sum of the models' last losses, the same whatever the schedule.
+
+TRAIN_LR = 0.01
+TRAIN_MOMENTUM = 0.9
+
+
+def _linear_weights(params: Params) -> list[tuple[list[np.ndarray], list[np.ndarray]]]:
+    """Per model: weights as ``(out, in)`` (``nn.Linear``'s layout) and biases."""
+    out = []
+    for seed in range(params["models"]):
+        data = mlp_data(params["widths"], params["batch"], seed=seed)
+        out.append(([np.ascontiguousarray(w.T) for w in data.weights], data.biases))
+    return out
+
+
+class _AioTraining(Case):
+    """aioautograd: the models trained one after another, or all at once with
+    ``asyncio.gather`` (forward in ``asyncio.to_thread``, backward on the engine), with
+    NumPy's BLAS limited to ``blas_threads`` during the run (``None``: left as is)."""
+
+    def __init__(self, params: Params, concurrent: bool, blas_threads: int | None) -> None:
+        from aioautograd import nn
+
+        self.concurrent = concurrent
+        self.blas_threads = blas_threads
+        self.steps = params["steps"]
+        self.initial = _linear_weights(params)
+        widths = params["widths"]
+        self.models: list[Any] = []
+        self.batches: list[tuple[ag.Tensor, ag.Tensor]] = []
+        for seed in range(params["models"]):
+            layers: list[Any] = []
+            for i, (fan_in, fan_out) in enumerate(itertools.pairwise(widths)):
+                layers.append(nn.Linear(fan_in, fan_out))
+                if i < len(widths) - 2:
+                    layers.append(nn.ReLU())
+            self.models.append(nn.Sequential(*layers))
+            data = mlp_data(widths, params["batch"], seed=seed)
+            self.batches.append((ag.tensor(data.inputs), ag.tensor(data.targets)))
+        self.default_blas_threads = _blas_threads_now()
+
+    def prepare(self) -> None:
+        from aioautograd import optim
+
+        self.optimizers = []
+        for model, (weights, biases) in zip(self.models, self.initial, strict=True):
+            linears = [m for m in model if hasattr(m, "weight")]
+            with ag.no_grad():
+                for layer, w, b in zip(linears, weights, biases, strict=True):
+                    layer.weight.copy_(ag.from_numpy(w))
+                    layer.bias.copy_(ag.from_numpy(b))
+            model.zero_grad()
+            self.optimizers.append(
+                optim.SGD(model.parameters(), lr=TRAIN_LR, momentum=TRAIN_MOMENTUM)
+            )
+
+    async def _train(self, index: int) -> float:
+        from aioautograd.nn import functional as F
+
+        model, optimizer = self.models[index], self.optimizers[index]
+        inputs, targets = self.batches[index]
+        loss = None
+        for _ in range(self.steps):
+            if self.concurrent:
+                logits = await asyncio.to_thread(model, inputs)  # forward off the loop
+            else:
+                logits = model(inputs)
+            loss = F.cross_entropy(logits, targets)
+            optimizer.zero_grad()
+            await loss.backward()
+            optimizer.step()
+        assert loss is not None
+        return float(loss.item())
+
+    async def run(self) -> float:
+        with _blas_limit(self.blas_threads):
+            if self.concurrent:
+                losses = await asyncio.gather(*(self._train(i) for i in range(len(self.models))))
+            else:
+                losses = [await self._train(i) for i in range(len(self.models))]
+        return float(sum(losses))
+
+    def extras(self) -> dict[str, Any]:
+        return {
+            "library": "aioautograd",
+            "schedule": "concurrent (asyncio.gather)" if self.concurrent else "sequential",
+            "blas_threads": self.blas_threads or self.default_blas_threads,
+        }
+
+
+class _TorchTraining(Case):
+    """PyTorch: the models one after another (default intra-op threads), or one Python
+    thread per model with one intra-op thread each."""
+
+    def __init__(self, params: Params, threaded: bool) -> None:
+        import torch
+
+        self.torch = torch
+        self.threaded = threaded
+        self.steps = params["steps"]
+        self.initial = _linear_weights(params)
+        widths = params["widths"]
+        self.models: list[Any] = []
+        self.batches: list[tuple[Any, Any]] = []
+        for seed in range(params["models"]):
+            layers: list[Any] = []
+            for i, (fan_in, fan_out) in enumerate(itertools.pairwise(widths)):
+                layers.append(torch.nn.Linear(fan_in, fan_out))
+                if i < len(widths) - 2:
+                    layers.append(torch.nn.ReLU())
+            self.models.append(torch.nn.Sequential(*layers))
+            data = mlp_data(widths, params["batch"], seed=seed)
+            self.batches.append((torch.tensor(data.inputs), torch.tensor(data.targets)))
+        self.default_threads = torch.get_num_threads()
+
+    def prepare(self) -> None:
+        torch = self.torch
+        self.optimizers = []
+        for model, (weights, biases) in zip(self.models, self.initial, strict=True):
+            linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+            with torch.no_grad():
+                for layer, w, b in zip(linears, weights, biases, strict=True):
+                    layer.weight.copy_(torch.from_numpy(w))
+                    layer.bias.copy_(torch.from_numpy(b))
+            model.zero_grad(set_to_none=True)
+            self.optimizers.append(
+                torch.optim.SGD(model.parameters(), lr=TRAIN_LR, momentum=TRAIN_MOMENTUM)
+            )
+
+    def _train(self, index: int) -> float:
+        functional = self.torch.nn.functional
+        model, optimizer = self.models[index], self.optimizers[index]
+        inputs, targets = self.batches[index]
+        loss = None
+        for _ in range(self.steps):
+            loss = functional.cross_entropy(model(inputs), targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        assert loss is not None
+        return float(loss.item())
+
+    def run(self) -> float:
+        indices = range(len(self.models))
+        if not self.threaded:
+            return float(sum(self._train(i) for i in indices))
+        torch = self.torch
+        previous = torch.get_num_threads()
+        torch.set_num_threads(1)  # one intra-op thread per model thread: no oversubscription
+        try:
+            with ThreadPoolExecutor(len(self.models)) as pool:
+                return float(sum(pool.map(self._train, indices)))
+        finally:
+            torch.set_num_threads(previous)
+
+    def extras(self) -> dict[str, Any]:
+        return {
+            "library": "torch",
+            "schedule": "one thread per model" if self.threaded else "sequential",
+            "torch_threads": 1 if self.threaded else self.default_threads,
+        }
+
+
+def _concurrent_summary(lines: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], str]:
+    """Headline: best aioautograd sequential median / best aioautograd concurrent median."""
+
+    def best(library: str, concurrent: bool | None) -> str | None:
+        names = [
+            name
+            for name, line in lines.items()
+            if line["library"] == library
+            and (concurrent is None or line["schedule"].startswith("concurrent") == concurrent)
+        ]
+        return min(names, key=lambda n: lines[n]["median_s"]) if names else None
+
+    seq, conc = best("aioautograd", False), best("aioautograd", True)
+    torch_best, aio_best = best("torch", None), best("aioautograd", None)
+    summary: dict[str, Any] = {"sequential_best": seq, "concurrent_best": conc}
+    if seq and conc:
+        summary["speedup"] = lines[seq]["median_s"] / lines[conc]["median_s"]
+        summary["speedup_of_minima"] = lines[seq]["min_s"] / lines[conc]["min_s"]
+    if torch_best and aio_best:
+        summary["torch_best"] = torch_best
+        summary["aioautograd_best_over_torch_best"] = (
+            lines[aio_best]["median_s"] / lines[torch_best]["median_s"]
+        )
+    rows = [
+        "| implementation | schedule | BLAS / intra-op threads | median | min "
+        "| best aioautograd sequential / this (median) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, line in lines.items():
+        threads = line.get("blas_threads", line.get("torch_threads"))
+        ratio = f"{lines[seq]['median_s'] / line['median_s']:.2f}x" if seq else "—"
+        rows.append(
+            f"| {name} | {line['schedule']} | {threads if threads is not None else '?'} "
+            f"| {_format_s(line['median_s'])} | {_format_s(line['min_s'])} | {ratio} |"
+        )
+    if seq and conc:
+        rows.append("")
+        rows.append(
+            f"Headline speed-up (best sequential / best concurrent, both aioautograd): "
+            f"{seq} / {conc} = **{summary['speedup']:.2f}x** on medians, "
+            f"{summary['speedup_of_minima']:.2f}x on minima."
+        )
+    return summary, "\n".join(rows)
+
+
+_TRAINING_SIZES = {
+    "full": {"widths": [256, 1024, 1024, 10], "batch": 128, "models": 4, "steps": 10},
+    "quick": {"widths": [256, 1024, 1024, 10], "batch": 128, "models": 4, "steps": 3},
+    "tiny": {"widths": [8, 16, 16, 3], "batch": 4, "models": 4, "steps": 2},
+}
+
+
+def _aio_training(concurrent: bool, blas_threads: int | None) -> Callable[[Params], Case]:
+    return lambda params: _AioTraining(params, concurrent, blas_threads)
+
+
+register(
+    Workload(
+        name="concurrent",
+        description="4 MLPs 256-1024-1024-10 (batch 128), 10 SGD steps each: "
+        "asyncio.gather on one engine vs one after another",
+        sizes=_TRAINING_SIZES,
+        repeats={"full": (1, 8), "quick": (1, 2), "tiny": (0, 1)},
+        impls=(
+            # The subject: concurrent with one BLAS thread per matmul (4 models on 2 cores).
+            Impl("aioautograd", _aio_training(True, 1), ("threadpoolctl",)),
+            Impl("aioautograd-seq", _aio_training(False, None), main_table=False),
+            Impl(
+                "aioautograd-seq-1blas",
+                _aio_training(False, 1),
+                ("threadpoolctl",),
+                main_table=False,
+            ),
+            Impl("aioautograd-concurrent-defaultblas", _aio_training(True, None), main_table=False),
+            Impl("torch", lambda params: _TorchTraining(params, False), ("torch",)),
+            Impl(
+                "torch-threads",
+                lambda params: _TorchTraining(params, True),
+                ("torch",),
+                main_table=False,
+            ),
+        ),
+        summary=_concurrent_summary,
+    )
+)
+
+
+# ----------------------------------------------------------------------------------- stall
+# A heartbeat task sleeps `period` on the event loop, over and over, and records when it
+# wakes. The graph is built in `prepare` (untimed); `run` starts the heartbeat, lets it tick
+# for a few periods, then runs the backward and records how late each tick whose sleep
+# overlapped the backward woke (wake time - (previous wake + period)); only the backward is
+# timed. A backward that blocks the loop shows as one tick late by about its whole duration.
+
+HEARTBEAT_LEAD_S = 0.003  # heartbeat ticks before the backward starts
+
+
+class Heartbeat:
+    """A task ticking every ``period_s`` on the running loop, recording its wake-up times."""
+
+    def __init__(self, period_s: float) -> None:
+        self.period_s = period_s
+        self.wakes: list[float] = []
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.wakes = [time.perf_counter()]
+        self._stopping = False
+        self._task = asyncio.get_running_loop().create_task(self._beat())
+
+    async def _beat(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.period_s)
+            self.wakes.append(time.perf_counter())
+
+    async def stop(self) -> None:
+        """Stop after the next tick (so that a tick blocked until now is recorded)."""
+        self._stopping = True
+        assert self._task is not None
+        await self._task
+
+    def delays_s(self, start: float, end: float) -> list[float]:
+        """How late each tick whose sleep overlapped ``[start, end]`` woke, in seconds."""
+        return [
+            max(0.0, woke - previous - self.period_s)
+            for previous, woke in itertools.pairwise(self.wakes)
+            if woke >= start and previous <= end
+        ]
+
+
+class _GcWatch:
+    """Records the full (generation 2) collections of the cyclic GC, on any thread.
+
+    A collection holds the GIL throughout, so one that starts during a backward (triggered
+    by an allocation on a worker or on the loop) stalls the loop for all of its duration.
+    """
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[float, float]] = []  # (start, end)
+        self._starts: dict[int, float] = {}
+
+    def __enter__(self) -> _GcWatch:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if info["generation"] != 2:
+            return
+        now = time.perf_counter()
+        thread = threading.get_ident()
+        if phase == "start":
+            self._starts[thread] = now
+        elif thread in self._starts:
+            self.pauses.append((self._starts.pop(thread), now))
+
+
+class _StallCase(Case):
+    """A backward (``backward()``) run under a heartbeat; keeps the tick delays, and counts
+    the runs whose window held a full GC collection (whose pause the loop then feels)."""
+
+    how = ""  # how the backward runs, for the summary table
+
+    def __init__(self, params: Params) -> None:
+        self.period_s = params["period_s"]
+        self.delays_ms: list[float] = []
+        self.run_max_ms: list[float] = []
+        self.gc_pauses_ms: list[float] = []  # full collections inside timed windows
+
+    async def backward(self) -> float:
+        """The backward pass; returns a checksum of the gradient."""
+        raise NotImplementedError
+
+    def begin_timed(self) -> None:
+        self.delays_ms.clear()
+        self.run_max_ms.clear()
+        self.gc_pauses_ms.clear()
+
+    async def run(self) -> float:
+        heartbeat = Heartbeat(self.period_s)
+        heartbeat.start()
+        await asyncio.sleep(HEARTBEAT_LEAD_S)
+        with _GcWatch() as watch:
+            start = time.perf_counter()
+            checksum = await self.backward()
+            end = time.perf_counter()
+        await heartbeat.stop()
+        self.timed_s = end - start
+        delays = [d * 1e3 for d in heartbeat.delays_s(start, end)]
+        self.delays_ms.extend(delays)
+        self.run_max_ms.append(max(delays, default=0.0))
+        self.gc_pauses_ms.extend((b - a) * 1e3 for a, b in watch.pauses)
+        return checksum
+
+    def extras(self) -> dict[str, Any]:
+        delays = np.asarray(self.delays_ms or [0.0])
+        return {
+            "backward": self.how,
+            "period_ms": self.period_s * 1e3,
+            "ticks": len(self.delays_ms),
+            "tick_max_ms": round(float(delays.max()), 3),
+            "tick_p99_ms": round(float(np.percentile(delays, 99)), 3),
+            "tick_p50_ms": round(float(np.percentile(delays, 50)), 3),
+            "run_max_median_ms": round(statistics.median(self.run_max_ms or [0.0]), 3),
+            "gc2_in_window": len(self.gc_pauses_ms),
+            "gc2_max_ms": round(max(self.gc_pauses_ms, default=0.0), 3),
+        }
+
+
+class _AioStall(_StallCase):
+    """``await loss.backward()``; optionally with NumPy's BLAS limited to ``blas_threads`` or
+    the interpreter's GIL switch interval set to ``switch_interval_s`` during the backward."""
+
+    def __init__(
+        self,
+        params: Params,
+        blas_threads: int | None = None,
+        switch_interval_s: float | None = None,
+    ) -> None:
+        super().__init__(params)
+        self.params = params
+        self.blas_threads = blas_threads
+        self.switch_interval_s = switch_interval_s
+        self.how = "await loss.backward() (engine threads)"
+        if blas_threads is not None:
+            self.how += f", NumPy BLAS limited to {blas_threads} thread(s)"
+        if switch_interval_s is not None:
+            self.how += f", sys.setswitchinterval({switch_interval_s:g})"
+        if params["graph"] == "mlp":
+            data = mlp_data(params["widths"], params["batch"])
+            self.weights = [ag.tensor(w, requires_grad=True) for w in data.weights]
+            self.biases = [ag.tensor(b, requires_grad=True) for b in data.biases]
+            self.leaves = self.weights + self.biases
+            self.inputs = ag.tensor(data.inputs)
+            self.targets = ag.tensor(data.targets)
+            self.one_hot = ag.tensor(data.one_hot)
+            self.relu, _ = aio_relu()
+            self.cross_entropy, _ = aio_cross_entropy()
+        else:
+            self.x = ag.tensor(_chain_input(), requires_grad=True)
+            self.leaves = [self.x]
+
+    def prepare(self) -> None:
+        for leaf in self.leaves:
+            leaf.grad = None
+        # The BLAS limit covers the forward too: OpenBLAS threads woken by a forward matmul
+        # spin for a while after it and would compete with the loop during the backward.
+        with _blas_limit(self.blas_threads):
+            self.loss = self._forward()
+
+    def _forward(self) -> ag.Tensor:
+        if self.params["graph"] == "mlp":
+            h = self.inputs
+            last = len(self.weights) - 1
+            for i, (w, b) in enumerate(zip(self.weights, self.biases, strict=True)):
+                h = h @ w + b
+                if i < last:
+                    h = self.relu(h)
+            return self.cross_entropy(h, self.targets, self.one_hot)
+        h = self.x
+        for _ in range(self.params["n"]):
+            h = h * CHAIN_FACTOR
+        return h.sum()
+
+    async def backward(self) -> float:
+        with _blas_limit(self.blas_threads), _switch_interval(self.switch_interval_s):
+            await self.loss.backward()
+        return float(self.leaves[0].grad.numpy().sum())
+
+
+class _TorchStall(_StallCase):
+    """torch's ``loss.backward()`` called in the coroutine (blocks the loop), or in
+    ``asyncio.to_thread`` (``offload``)."""
+
+    def __init__(self, params: Params, offload: bool) -> None:
+        import torch
+
+        super().__init__(params)
+        self.torch = torch
+        self.offload = offload
+        self.how = (
+            "await asyncio.to_thread(loss.backward)"
+            if offload
+            else "loss.backward() inline in the coroutine (blocks the loop)"
+        )
+        self.params = params
+        if params["graph"] == "mlp":
+            data = mlp_data(params["widths"], params["batch"])
+            self.weights = [torch.tensor(w, requires_grad=True) for w in data.weights]
+            self.biases = [torch.tensor(b, requires_grad=True) for b in data.biases]
+            self.leaves = self.weights + self.biases
+            self.inputs = torch.tensor(data.inputs)
+            self.targets = torch.tensor(data.targets)
+        else:
+            self.x = torch.tensor(_chain_input(), requires_grad=True)
+            self.leaves = [self.x]
+
+    def prepare(self) -> None:
+        for leaf in self.leaves:
+            leaf.grad = None
+        if self.params["graph"] == "mlp":
+            functional = self.torch.nn.functional
+            h = self.inputs
+            last = len(self.weights) - 1
+            for i, (w, b) in enumerate(zip(self.weights, self.biases, strict=True)):
+                h = h @ w + b
+                if i < last:
+                    h = functional.relu(h)
+            self.loss = functional.cross_entropy(h, self.targets)
+        else:
+            h = self.x
+            for _ in range(self.params["n"]):
+                h = h * CHAIN_FACTOR
+            self.loss = h.sum()
+
+    async def backward(self) -> float:
+        if self.offload:
+            await asyncio.to_thread(self.loss.backward)
+        else:
+            self.loss.backward()  # on the loop's thread: nothing else runs meanwhile
+        return float(self.leaves[0].grad.sum())
+
+
+class _NumpyStall(_StallCase):
+    """The hand-written NumPy backward, inline in the coroutine (blocks the loop)."""
+
+    how = "hand-written NumPy backward inline in the coroutine (blocks the loop)"
+
+    def __init__(self, params: Params) -> None:
+        super().__init__(params)
+        self.params = params
+        if params["graph"] == "mlp":
+            self.data = mlp_data(params["widths"], params["batch"])
+            self.rows = np.arange(params["batch"])
+
+    def prepare(self) -> None:
+        if self.params["graph"] != "mlp":
+            return
+        data = self.data
+        self.activations = [data.inputs]
+        h = data.inputs
+        last = len(data.weights) - 1
+        for i, (w, b) in enumerate(zip(data.weights, data.biases, strict=True)):
+            h = h @ w
+            h += b
+            if i < last:
+                np.maximum(h, 0.0, out=h)
+                self.activations.append(h)
+        h -= h.max(axis=1, keepdims=True)
+        probs = np.exp(h)
+        probs /= probs.sum(axis=1, keepdims=True)
+        self.probs = probs
+
+    async def backward(self) -> float:
+        if self.params["graph"] != "mlp":
+            grad = np.ones(4, np.float32)
+            for _ in range(self.params["n"]):
+                grad = grad * np.float32(CHAIN_FACTOR)
+            return float(grad.sum())
+        weights = self.data.weights
+        grad = self.probs.copy()
+        grad[self.rows, self.data.targets] -= 1.0
+        grad /= grad.shape[0]
+        weight_grads: list[np.ndarray] = []
+        for i in range(len(weights) - 1, -1, -1):
+            weight_grads.append(self.activations[i].T @ grad)
+            grad.sum(axis=0)  # the bias gradient
+            if i > 0:
+                grad = grad @ weights[i].T
+                grad *= self.activations[i] > 0
+        return float(weight_grads[-1].sum())
+
+
+class _IdleStall(_StallCase):
+    """No backward: the loop sleeps for ``idle_s``; the heartbeat's own jitter (the floor)."""
+
+    how = "asyncio.sleep (no backward: the heartbeat's floor)"
+
+    def __init__(self, params: Params) -> None:
+        super().__init__(params)
+        self.idle_s = params["idle_s"]
+
+    async def backward(self) -> float:
+        await asyncio.sleep(self.idle_s)
+        return 0.0
+
+
+def _chain_input() -> np.ndarray:
+    return np.random.default_rng(0).standard_normal(4).astype(np.float32)
+
+
+def _stall_summary(lines: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], str]:
+    summary = {
+        name: {
+            key: line[key]
+            for key in (
+                "median_s",
+                "tick_max_ms",
+                "tick_p99_ms",
+                "tick_p50_ms",
+                "run_max_median_ms",
+                "ticks",
+                "gc2_in_window",
+            )
+        }
+        for name, line in lines.items()
+    }
+    rows = [
+        "| implementation | how the backward runs | backward (median) | longest tick delay "
+        "| p99 | p50 | median of per-run longest | ticks | full GCs in windows (longest) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, line in lines.items():
+        rows.append(
+            f"| {name} | {line['backward']} | {_format_s(line['median_s'])} "
+            f"| {_format_ms(line['tick_max_ms'])} | {_format_ms(line['tick_p99_ms'])} "
+            f"| {_format_ms(line['tick_p50_ms'])} | {_format_ms(line['run_max_median_ms'])} "
+            f"| {line['ticks']} | {line['gc2_in_window']}"
+            + (f" ({_format_ms(line['gc2_max_ms'])})" if line["gc2_in_window"] else "")
+            + " |"
+        )
+    return summary, "\n".join(rows)
+
+
+_STALL_IMPLS = (
+    Impl(SUBJECT, _AioStall),
+    Impl("torch", lambda params: _TorchStall(params, offload=False), ("torch",)),
+    Impl("numpy", _NumpyStall),
+    Impl(
+        "torch-to_thread",
+        lambda params: _TorchStall(params, offload=True),
+        ("torch",),
+        main_table=False,
+    ),
+    Impl("idle", _IdleStall, main_table=False),
+)
+# The MLP's backward is BLAS-bound: with one BLAS thread, a core stays free for the loop.
+_STALL_MLP_IMPLS = (
+    *_STALL_IMPLS[:3],
+    Impl(
+        f"{SUBJECT}-1blas",
+        lambda params: _AioStall(params, blas_threads=1),
+        ("threadpoolctl",),
+        main_table=False,
+    ),
+    *_STALL_IMPLS[3:],
+)
+# The chain's backward is GIL-bound: the loop's thread gets the GIL back when the worker
+# holding it is made to drop it, after the switch interval (5 ms by default).
+_STALL_CHAIN_IMPLS = (
+    *_STALL_IMPLS[:3],
+    Impl(
+        f"{SUBJECT}-switch0.5ms",
+        lambda params: _AioStall(params, switch_interval_s=0.0005),
+        main_table=False,
+    ),
+    *_STALL_IMPLS[3:],
+)
+
+_HEARTBEAT = {"period_s": 0.001}
+
+register(
+    Workload(
+        name="stall",
+        description="1 ms heartbeat on the loop during backward of the MLP 784-1024-1024-10, "
+        "batch 256: tick delays",
+        sizes={
+            "full": {"graph": "mlp", "widths": [784, 1024, 1024, 10], "batch": 256}
+            | _HEARTBEAT
+            | {"idle_s": 0.02},
+            "quick": {"graph": "mlp", "widths": [784, 1024, 1024, 10], "batch": 256}
+            | _HEARTBEAT
+            | {"idle_s": 0.02},
+            "tiny": {"graph": "mlp", "widths": [12, 16, 16, 10], "batch": 4}
+            | _HEARTBEAT
+            | {"idle_s": 0.002},
+        },
+        repeats={"full": (3, 30), "quick": (1, 8), "tiny": (0, 1)},
+        impls=_STALL_MLP_IMPLS,
+        summary=_stall_summary,
+    )
+)
+
+register(
+    Workload(
+        name="stall_chain",
+        description="1 ms heartbeat on the loop during backward of the 10,000-op chain: "
+        "tick delays",
+        sizes={
+            "full": {"graph": "chain", "n": 10_000} | _HEARTBEAT | {"idle_s": 0.05},
+            "quick": {"graph": "chain", "n": 2_000} | _HEARTBEAT | {"idle_s": 0.02},
+            "tiny": {"graph": "chain", "n": 10} | _HEARTBEAT | {"idle_s": 0.002},
+        },
+        repeats={"full": (2, 20), "quick": (1, 5), "tiny": (0, 1)},
+        impls=_STALL_CHAIN_IMPLS,
+        summary=_stall_summary,
+    )
+)

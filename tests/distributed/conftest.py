@@ -1,0 +1,315 @@
+"""Worlds of RPC workers for the tests: ``local`` (tasks of this loop) or ``grpc`` (processes).
+
+In both, the test's own task is the driver (rank 0, ``"driver"``) and the workers are named
+``worker1``..``workerN``. gRPC workers are real processes (``tests.distributed.worker_main``)
+on loopback, on an ephemeral port, with a fresh token; every one of them is killed by the
+fixtures' finalizers whatever happens to the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import datetime
+import ipaddress
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from aioautograd.distributed import rpc
+from aioautograd.distributed.rpc import wire
+from aioautograd.distributed.rpc.backends import local as local_backend
+from tests.distributed import remote_fns
+
+REPO = Path(__file__).resolve().parents[2]
+BACKENDS = ["local", "grpc"]
+# Heartbeat interval and timeout. Generous by default, so that a loaded CI machine never
+# declares a slow worker dead; the dead-worker test uses FAST_HEARTBEAT (dead after ~1.25 s).
+HEARTBEAT = (0.5, 10.0)
+FAST_HEARTBEAT = (0.25, 1.0)
+T = TypeVar("T")
+
+remote_fns.install_test_interceptor()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def in_fresh_context(body: Callable[[], Awaitable[T]]) -> T:
+    """Run ``body`` in a task with an empty context: a second driver beside the module's."""
+
+    async def run() -> T:
+        return await body()
+
+    return await asyncio.get_running_loop().create_task(run(), context=contextvars.Context())
+
+
+@dataclass
+class World:
+    backend: str
+    driver: rpc.RpcAgent
+    workers: list[str]
+    group: str | None = None
+    port: int | None = None
+    token: str | None = None
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    logs: dict[str, Path] = field(default_factory=dict)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def agent(self, name: str) -> rpc.RpcAgent:
+        """The agent of a local worker."""
+        assert self.group is not None
+        return local_backend._groups[self.group].members[name]
+
+    def address(self, name: str) -> str:
+        return self.driver._addresses[name]  # type: ignore[attr-defined]
+
+    def log(self, name: str) -> str:
+        path = self.logs.get(name)
+        return path.read_text(errors="replace") if path and path.exists() else ""
+
+    async def send_raw(self, name: str, data: bytes, token: str | None = None) -> str:
+        """Send raw bytes as a request to ``name``: ``"OK"``, ``"ERROR <type>"`` or a gRPC
+        status name with its details."""
+        if self.backend == "local":
+            try:
+                message = wire.Message.from_bytes(data)
+                peer = self.agent(name)
+                response = await asyncio.get_running_loop().create_task(
+                    peer.serve(message), context=contextvars.Context()
+                )
+            except rpc.MalformedMessageError as exc:
+                return f"INVALID_ARGUMENT {exc}"
+            return _describe(response)
+        import grpc
+
+        async with grpc.aio.insecure_channel(self.address(name)) as channel:
+            call = channel.unary_unary("/aioautograd.rpc.Agent/Call")
+            metadata = (("aioautograd-token", token if token is not None else self.token),)
+            try:
+                response_bytes = await call(data, metadata=metadata, timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                return f"{exc.code().name} {exc.details()}"
+        return _describe(wire.Message.from_bytes(response_bytes))
+
+    def kill_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    async def close(self, graceful: bool = True) -> dict[str, int | None]:
+        """Shut the world down; returns the workers' exit codes (grpc) or ``{}``."""
+        try:
+            if not self.driver.is_shut_down:
+                await asyncio.wait_for(self.driver.shutdown(graceful), 30)
+        finally:
+            if self.tasks:
+                done, pending = await asyncio.wait(self.tasks, timeout=10)
+                for task in pending:
+                    task.cancel()
+                for task in done:
+                    task.result()
+            codes: dict[str, int | None] = {}
+            for name, proc in self.procs.items():
+                try:
+                    codes[name] = await asyncio.to_thread(proc.wait, 15)
+                except subprocess.TimeoutExpired:
+                    codes[name] = None
+            self.kill_all()
+        return codes
+
+
+def _describe(response: wire.Message) -> str:
+    header = wire.decode_header(response)
+    if header.kind == wire.ERROR:
+        assert header.error is not None
+        return f"ERROR {header.error['type']} {header.error['message']}"
+    return "OK"
+
+
+async def _local_worker(name: str, rank: int, world_size: int, options: rpc.LocalOptions) -> None:
+    await rpc.init_rpc(
+        name, rank, world_size, "local", options=options, allowed_functions=remote_fns.ALLOWED
+    )
+    await rpc.shutdown()
+
+
+async def start_world(
+    backend: str,
+    tmp_dir: Path,
+    n_workers: int = 2,
+    *,
+    tls: dict[str, Any] | None = None,
+    heartbeat: tuple[float, float] = HEARTBEAT,
+    rpc_timeout: float = 30.0,
+) -> World:
+    """Start a world of a driver (this task) and ``n_workers`` workers."""
+    world_size = n_workers + 1
+    names = [f"worker{rank}" for rank in range(1, world_size)]
+    if backend == "local":
+        group = f"test-{uuid.uuid4().hex}"
+        options = rpc.LocalOptions(
+            group=group, init_timeout=10, shutdown_timeout=20, rpc_timeout=rpc_timeout
+        )
+        tasks = [
+            asyncio.get_running_loop().create_task(
+                _local_worker(name, rank, world_size, options), context=contextvars.Context()
+            )
+            for rank, name in enumerate(names, start=1)
+        ]
+        driver = await rpc.init_rpc("driver", 0, world_size, "local", options=options)
+        return World(backend, driver, names, group=group, tasks=tasks)
+
+    port, token = free_port(), secrets.token_hex(16)
+    world = World(backend, None, names, port=port, token=token)  # type: ignore[arg-type]
+    for rank, name in enumerate(names, start=1):
+        env = dict(
+            os.environ,
+            PYTHONPATH=str(REPO),
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            AIOAUTOGRAD_RPC_TOKEN=token,
+            TEST_WORKER_NAME=name,
+            TEST_HEARTBEAT=",".join(map(str, heartbeat)),
+        )
+        for key in list(env):
+            if key.startswith("AIOAUTOGRAD_TLS_"):
+                del env[key]
+        if tls is not None:
+            env.update(tls["env"])
+        log = tmp_dir / f"{name}.log"
+        world.logs[name] = log
+        with log.open("wb") as out:
+            # Popen, not asyncio: the finalizer must be able to kill it without a loop.
+            world.procs[name] = subprocess.Popen(  # noqa: ASYNC220
+                [sys.executable, "-m", "tests.distributed.worker_main"],
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+    options = rpc.GrpcOptions(
+        master_addr="127.0.0.1",
+        master_port=port,
+        token=token,
+        tls=tls["config"] if tls is not None else None,
+        heartbeat_interval=heartbeat[0],
+        heartbeat_timeout=heartbeat[1],
+        init_timeout=30,
+        shutdown_timeout=20,
+        rpc_timeout=rpc_timeout,
+    )
+    try:
+        world.driver = await rpc.init_rpc("driver", 0, world_size, "grpc", options=options)
+    except BaseException as exc:
+        world.kill_all()
+        for name in names:
+            exc.add_note(f"--- log of {name}:\n{world.log(name)}")
+        raise
+    return world
+
+
+def stop_process(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    os.kill(proc.pid, sig)
+
+
+def make_certificates(directory: Path) -> dict[str, Path]:
+    """A CA and one certificate for localhost/127.0.0.1 (server and client use)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def name(common_name: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(name("aioautograd test CA"))
+        .issuer_name(name("aioautograd test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name("localhost"))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    pem = serialization.Encoding.PEM
+    paths = {
+        "ca": directory / "ca.pem",
+        "cert": directory / "cert.pem",
+        "key": directory / "key.pem",
+    }
+    paths["ca"].write_bytes(ca_cert.public_bytes(pem))
+    paths["cert"].write_bytes(cert.public_bytes(pem))
+    paths["key"].write_bytes(
+        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return paths
+
+
+def tls_setup(paths: dict[str, Path], mutual: bool) -> dict[str, Any]:
+    """The driver's TLSConfig and the workers' environment for these certificates."""
+    env = {
+        "AIOAUTOGRAD_TLS_CERT": str(paths["cert"]),
+        "AIOAUTOGRAD_TLS_KEY": str(paths["key"]),
+        "AIOAUTOGRAD_TLS_CA": str(paths["ca"]),
+        "AIOAUTOGRAD_TLS_MUTUAL": "1" if mutual else "0",
+    }
+    config = rpc.TLSConfig.from_files(paths["cert"], paths["key"], paths["ca"], mutual=mutual)
+    return {"env": env, "config": config}

@@ -1,0 +1,66 @@
+"""``python -m aioautograd.distributed.run``: environment, prefixed output, failure handling."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.conftest import REPO
+
+pytestmark = pytest.mark.timeout(60)
+
+SCRIPT = textwrap.dedent(
+    """
+    import asyncio, os, sys, time
+    import aioautograd as ag
+    from aioautograd.distributed import rpc
+
+    @rpc.register
+    def square(x):
+        return x * x
+
+    async def main():
+        rank = int(os.environ["RANK"])
+        if sys.argv[1:] == ["fail"]:
+            if rank == 1:
+                sys.exit(3)
+            time.sleep(60)  # must be stopped by the launcher
+        await rpc.init_rpc(f"worker{rank}")  # everything else comes from the environment
+        if rank == 0:
+            result = await rpc.rpc_async("worker1", square, args=(ag.tensor([3.0]),))
+            print("result", result.tolist())
+        print("backend", rpc.get_current_agent().backend, "world", os.environ["WORLD_SIZE"])
+        await rpc.shutdown()
+
+    asyncio.run(main())
+    """
+)
+
+
+def _launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    command = [sys.executable, "-m", "aioautograd.distributed.run", "--nproc", "2"]
+    command += ["--kill-timeout", "2", str(script), *args]
+    return subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=50, check=False
+    )
+
+
+def test_launcher_runs_a_world(tmp_path: Path) -> None:
+    done = _launch(tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "[rank 0] result [9.0]" in lines
+    assert "[rank 0] backend grpc world 2" in lines
+    assert "[rank 1] backend grpc world 2" in lines
+
+
+def test_launcher_stops_everyone_when_one_fails(tmp_path: Path) -> None:
+    done = _launch(tmp_path, "fail")
+    assert done.returncode == 3
+    assert "[launcher] rank 1 exited with code 3; stopping the others" in done.stderr

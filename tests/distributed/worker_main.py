@@ -1,0 +1,33 @@
+"""A worker process for the grpc tests: ``python -m tests.distributed.worker_main``.
+
+Reads RANK, WORLD_SIZE, MASTER_ADDR/PORT, AIOAUTOGRAD_RPC_TOKEN and the AIOAUTOGRAD_TLS_*
+variables like any launched script, plus TEST_WORKER_NAME and TEST_HEARTBEAT
+("interval,timeout"); serves until the world shuts down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from aioautograd.distributed import rpc
+from tests.distributed import remote_fns
+
+
+async def main() -> None:
+    interval, timeout = (float(x) for x in os.environ["TEST_HEARTBEAT"].split(","))
+    options = rpc.GrpcOptions(
+        heartbeat_interval=interval, heartbeat_timeout=timeout, init_timeout=30
+    )
+    remote_fns.install_test_interceptor()
+    await rpc.init_rpc(
+        os.environ["TEST_WORKER_NAME"],
+        backend="grpc",
+        options=options,
+        allowed_functions=remote_fns.ALLOWED,
+    )
+    await rpc.shutdown()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
