@@ -16,6 +16,7 @@ import heapq
 import itertools
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -51,33 +52,45 @@ class NodeTask:
         self.key = graph_task.depth_key | node.sequence_nr
 
 
+class _Waiter(threading.local):
+    """Each thread's private wake-up channel (reused across waits)."""
+
+    def __init__(self) -> None:
+        self.channel: queue.SimpleQueue[None] = queue.SimpleQueue()
+
+
+_waiter = _Waiter()
+
+
 class ReadyQueue:
     """A thread-safe priority queue of `NodeTask`s for one device.
 
-    Idle workers sleep on a ``queue.SimpleQueue`` of wake-up tokens rather than a
-    ``threading.Condition``: a C-level put/get is about half the cost of a Python condition
-    round trip, and that hand-off is part of the fixed cost of every backward pass.
+    Idle threads sleep on a private ``queue.SimpleQueue`` each, registered in ``_waiters``;
+    a waker removes a waiter from the list and puts exactly one token in its channel, so no
+    wake-up is lost or stolen. A C-level put/get is about half the cost of a
+    ``threading.Condition`` round trip, and that hand-off is part of the fixed cost of
+    every backward pass.
     """
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, int, Any]] = []
         self._lock = threading.Lock()
-        self._wakeups: queue.SimpleQueue[None] = queue.SimpleQueue()
-        self._waiting = 0
+        self._waiters: deque[queue.SimpleQueue[None]] = deque()
         self._tiebreak = itertools.count()
 
     def push(self, task: NodeTask) -> None:
         item = (-task.key, next(self._tiebreak), task)
         with self._lock:
             heapq.heappush(self._heap, item)
-            wake = self._waiting > 0
-        if wake:
-            self._wakeups.put(None)
+            channel = self._waiters.popleft() if self._waiters else None
+        if channel is not None:
+            channel.put(None)
 
     def pop(self, stop: Callable[[], bool] | None = None) -> NodeTask | None:
         """Block until a task is available; return ``None`` early once ``stop()`` is true."""
         heap = self._heap
         lock = self._lock
+        channel = _waiter.channel
         while True:
             with lock:
                 if heap:
@@ -85,11 +98,8 @@ class ReadyQueue:
                     return task
                 if stop is not None and stop():
                     return None
-                self._waiting += 1
-            # A token put after our registration wakes us; a stale one only costs a loop.
-            self._wakeups.get()
-            with lock:
-                self._waiting -= 1
+                self._waiters.append(channel)
+            channel.get()  # removed from _waiters by whoever put the token
 
     def top_key(self) -> int | None:
         """The key of the next task to pop, or ``None`` (an unlocked peek: a hint only)."""
@@ -100,11 +110,12 @@ class ReadyQueue:
             return None
 
     def wake_all(self) -> None:
-        """Wake every sleeping worker (so that one driving a finished graph task returns)."""
+        """Wake every sleeping thread (so that one driving a finished graph task returns)."""
         with self._lock:
-            waiting = self._waiting
-        for _ in range(waiting):
-            self._wakeups.put(None)
+            channels = list(self._waiters)
+            self._waiters.clear()
+        for channel in channels:
+            channel.put(None)
 
     def __len__(self) -> int:
         return len(self._heap)
