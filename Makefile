@@ -25,6 +25,7 @@ test: $(VENV)/.installed-test
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check aioautograd tests benchmarks
 	$(BIN)/ruff format --check aioautograd tests benchmarks
+	$(BIN)/mypy aioautograd
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/run.py

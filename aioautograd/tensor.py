@@ -5,6 +5,7 @@ The operators below are thin: each calls a `Function` in `aioautograd.ops`.
 
 from __future__ import annotations
 
+import builtins
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -68,7 +69,9 @@ class Tensor:
     # Make NumPy defer to our reflected operators (ndarray + Tensor -> Tensor.__radd__).
     __array_priority__ = 1000
 
-    def __init__(self, data: Array, device: Device = CPU, requires_grad: bool = False) -> None:
+    def __init__(
+        self, data: Array, device: Device = CPU, requires_grad: builtins.bool = False
+    ) -> None:
         self.data = data
         self.device = device
         self._requires_grad = requires_grad
@@ -104,7 +107,7 @@ class Tensor:
         self._ensure_version_counter().value += 1
 
     @property
-    def _version(self) -> int:
+    def _version(self) -> builtins.int:
         """The number of in-place modifications seen by this tensor's storage."""
         counter = self._version_counter
         return 0 if counter is None else counter.value
@@ -119,7 +122,7 @@ class Tensor:
     def shape(self) -> Shape:
         return self.data.shape  # type: ignore[no-any-return]
 
-    def size(self, dim: int | None = None) -> Any:
+    def size(self, dim: builtins.int | None = None) -> Any:
         """The shape, or the length of dimension ``dim`` (PyTorch's ``Tensor.size``)."""
         return self.data.shape if dim is None else self.data.shape[dim]
 
@@ -128,30 +131,30 @@ class Tensor:
         return self.data.dtype  # type: ignore[no-any-return]
 
     @property
-    def ndim(self) -> int:
+    def ndim(self) -> builtins.int:
         return self.data.ndim  # type: ignore[no-any-return]
 
-    def dim(self) -> int:
+    def dim(self) -> builtins.int:
         return self.data.ndim  # type: ignore[no-any-return]
 
-    def numel(self) -> int:
+    def numel(self) -> builtins.int:
         return int(self.data.size)
 
-    def __len__(self) -> int:
+    def __len__(self) -> builtins.int:
         if self.data.ndim == 0:
             raise TypeError("len() of a 0-d tensor")
         return int(self.data.shape[0])
 
     @property
-    def is_cuda(self) -> bool:
+    def is_cuda(self) -> builtins.bool:
         return self.device.type == "cuda"
 
     @property
-    def requires_grad(self) -> bool:
+    def requires_grad(self) -> builtins.bool:
         return self._requires_grad
 
     @requires_grad.setter
-    def requires_grad(self, value: bool) -> None:
+    def requires_grad(self, value: builtins.bool) -> None:
         if self.grad_fn is not None:
             raise RuntimeError(
                 "you can only change requires_grad flags of leaf variables. If you want to use "
@@ -165,22 +168,22 @@ class Tensor:
             )
         self._requires_grad = bool(value)
 
-    def requires_grad_(self, requires_grad: bool = True) -> Tensor:
+    def requires_grad_(self, requires_grad: builtins.bool = True) -> Tensor:
         """Set ``requires_grad`` in place (leaves only) and return ``self``."""
         self.requires_grad = requires_grad
         return self
 
     @property
-    def is_leaf(self) -> bool:
+    def is_leaf(self) -> builtins.bool:
         """True for tensors created by the user (no ``grad_fn``)."""
         return self.grad_fn is None
 
     @property
-    def output_nr(self) -> int:
+    def output_nr(self) -> builtins.int:
         return self._output_nr
 
     @property
-    def retains_grad(self) -> bool:
+    def retains_grad(self) -> builtins.bool:
         return self._retains_grad
 
     @property
@@ -203,7 +206,7 @@ class Tensor:
         self._grad = value
 
     # ---------------------------------------------------------------------- graph access
-    def _gradient_edge(self) -> tuple[Node, int]:
+    def _gradient_edge(self) -> tuple[Node, builtins.int]:
         """The (node, input_nr) through which gradient flows into this tensor."""
         if self.grad_fn is not None:
             return self.grad_fn, self._output_nr
@@ -305,8 +308,8 @@ class Tensor:
     def backward_sync(
         self,
         gradient: Tensor | None = None,
-        retain_graph: bool | None = None,
-        create_graph: bool = False,
+        retain_graph: builtins.bool | None = None,
+        create_graph: builtins.bool = False,
         inputs: Tensor | Sequence[Tensor] | None = None,
     ) -> None:
         """Blocking twin of :meth:`backward` for code without a running event loop."""
@@ -340,27 +343,29 @@ class Tensor:
             )
         return self.data.item()
 
-    def __float__(self) -> float:
+    def __float__(self) -> builtins.float:
         return float(self.item())
 
-    def __int__(self) -> int:
+    def __int__(self) -> builtins.int:
         return int(self.item())
 
-    def __bool__(self) -> bool:
+    def __bool__(self) -> builtins.bool:
         if self.data.size != 1:
             raise RuntimeError(
                 f"Boolean value of Tensor with {self.data.size} elements is ambiguous"
             )
         return bool(self.data.item())
 
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
+    def __array__(
+        self, dtype: Any = None, copy: builtins.bool | None = None
+    ) -> np.ndarray[Any, Any]:
         array = self.numpy()
         return array if dtype is None else array.astype(dtype, copy=False)
 
     def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
         return self.data.__dlpack__(*args, **kwargs)
 
-    def __dlpack_device__(self) -> tuple[int, int]:
+    def __dlpack_device__(self) -> tuple[builtins.int, builtins.int]:
         return self.data.__dlpack_device__()  # type: ignore[no-any-return]
 
     def to(self, *args: Any, **kwargs: Any) -> Tensor:
@@ -384,7 +389,7 @@ class Tensor:
     def cpu(self) -> Tensor:
         return self.to(CPU)
 
-    def cuda(self, index: int | None = None) -> Tensor:
+    def cuda(self, index: builtins.int | None = None) -> Tensor:
         return self.to(_as_device("cuda" if index is None else f"cuda:{index}"))
 
     def type_as(self, other: Tensor) -> Tensor:
@@ -429,7 +434,7 @@ class Tensor:
             extras.append("requires_grad=True")
         return "tensor(" + ", ".join([body, *extras]) + ")"
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Tensor:
+    def __deepcopy__(self, memo: dict[builtins.int, Any]) -> Tensor:
         # A fresh leaf: copying the slots would share the gradient accumulator and hooks.
         if self.grad_fn is not None:
             raise RuntimeError(
@@ -536,10 +541,10 @@ class Tensor:
     def __or__(self, other: Any) -> Tensor:
         return self._compare(other, self.xp.logical_or)
 
-    def add(self, other: Any, alpha: float = 1) -> Tensor:
+    def add(self, other: Any, alpha: builtins.float = 1) -> Tensor:
         return arithmetic.add(self, other if alpha == 1 else other * alpha)
 
-    def sub(self, other: Any, alpha: float = 1) -> Tensor:
+    def sub(self, other: Any, alpha: builtins.float = 1) -> Tensor:
         return arithmetic.sub(self, other if alpha == 1 else other * alpha)
 
     def mul(self, other: Any) -> Tensor:
@@ -591,47 +596,57 @@ class Tensor:
     def relu(self) -> Tensor:
         return unary.relu(self)
 
-    def clamp(self, min: float | None = None, max: float | None = None) -> Tensor:
+    def clamp(self, min: builtins.float | None = None, max: builtins.float | None = None) -> Tensor:
         return unary.clamp(self, min, max)
 
     clip = clamp
 
     # ----------------------------------------------------------------------- reductions
-    def sum(self, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
+    def sum(
+        self,
+        dim: builtins.int | Sequence[builtins.int] | None = None,
+        keepdim: builtins.bool = False,
+    ) -> Tensor:
         return reduction.sum(self, dim, keepdim)
 
-    def mean(self, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
+    def mean(
+        self,
+        dim: builtins.int | Sequence[builtins.int] | None = None,
+        keepdim: builtins.bool = False,
+    ) -> Tensor:
         return reduction.mean(self, dim, keepdim)
 
-    def max(self, dim: int | None = None, keepdim: bool = False) -> Any:
+    def max(self, dim: builtins.int | None = None, keepdim: builtins.bool = False) -> Any:
         return reduction.max(self, dim, keepdim)
 
-    def min(self, dim: int | None = None, keepdim: bool = False) -> Any:
+    def min(self, dim: builtins.int | None = None, keepdim: builtins.bool = False) -> Any:
         return reduction.min(self, dim, keepdim)
 
     def var(
         self,
-        dim: int | Sequence[int] | None = None,
-        unbiased: bool | None = None,
-        keepdim: bool = False,
+        dim: builtins.int | Sequence[builtins.int] | None = None,
+        unbiased: builtins.bool | None = None,
+        keepdim: builtins.bool = False,
         *,
-        correction: int | None = None,
+        correction: builtins.int | None = None,
     ) -> Tensor:
         return reduction.var(self, dim, unbiased, keepdim, correction=correction)
 
-    def logsumexp(self, dim: int | Sequence[int], keepdim: bool = False) -> Tensor:
+    def logsumexp(
+        self, dim: builtins.int | Sequence[builtins.int], keepdim: builtins.bool = False
+    ) -> Tensor:
         return reduction.logsumexp(self, dim, keepdim)
 
-    def softmax(self, dim: int) -> Tensor:
+    def softmax(self, dim: builtins.int) -> Tensor:
         return reduction.softmax(self, dim)
 
-    def log_softmax(self, dim: int) -> Tensor:
+    def log_softmax(self, dim: builtins.int) -> Tensor:
         return reduction.log_softmax(self, dim)
 
-    def argmax(self, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    def argmax(self, dim: builtins.int | None = None, keepdim: builtins.bool = False) -> Tensor:
         return reduction.argmax(self, dim, keepdim)
 
-    def argmin(self, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    def argmin(self, dim: builtins.int | None = None, keepdim: builtins.bool = False) -> Tensor:
         return reduction.argmin(self, dim, keepdim)
 
     # ---------------------------------------------------------------------- shape ops
@@ -641,7 +656,7 @@ class Tensor:
     def view(self, *shape: Any) -> Tensor:
         return shape_ops.view(self, _shape_args(shape))
 
-    def transpose(self, dim0: int, dim1: int) -> Tensor:
+    def transpose(self, dim0: builtins.int, dim1: builtins.int) -> Tensor:
         return shape_ops.transpose(self, dim0, dim1)
 
     def permute(self, *dims: Any) -> Tensor:
@@ -653,41 +668,41 @@ class Tensor:
     def expand_as(self, other: Tensor) -> Tensor:
         return shape_ops.expand(self, other.shape)
 
-    def squeeze(self, dim: int | Sequence[int] | None = None) -> Tensor:
+    def squeeze(self, dim: builtins.int | Sequence[builtins.int] | None = None) -> Tensor:
         return shape_ops.squeeze(self, dim)
 
-    def unsqueeze(self, dim: int) -> Tensor:
+    def unsqueeze(self, dim: builtins.int) -> Tensor:
         return shape_ops.unsqueeze(self, dim)
 
-    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> Tensor:
+    def flatten(self, start_dim: builtins.int = 0, end_dim: builtins.int = -1) -> Tensor:
         return shape_ops.flatten(self, start_dim, end_dim)
 
     def split(
-        self, split_size_or_sections: int | Sequence[int], dim: int = 0
+        self, split_size_or_sections: builtins.int | Sequence[builtins.int], dim: builtins.int = 0
     ) -> tuple[Tensor, ...]:
         return shape_ops.split(self, split_size_or_sections, dim)
 
-    def chunk(self, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
+    def chunk(self, chunks: builtins.int, dim: builtins.int = 0) -> tuple[Tensor, ...]:
         return shape_ops.chunk(self, chunks, dim)
 
-    def unbind(self, dim: int = 0) -> tuple[Tensor, ...]:
+    def unbind(self, dim: builtins.int = 0) -> tuple[Tensor, ...]:
         return shape_ops.unbind(self, dim)
 
     # ----------------------------------------------------------------------- indexing
     def __getitem__(self, index: Any) -> Tensor:
         return indexing.getitem(self, index)
 
-    def gather(self, dim: int, index: Tensor) -> Tensor:
+    def gather(self, dim: builtins.int, index: Tensor) -> Tensor:
         return indexing.gather(self, dim, index)
 
-    def index_select(self, dim: int, index: Tensor) -> Tensor:
+    def index_select(self, dim: builtins.int, index: Tensor) -> Tensor:
         return indexing.index_select(self, dim, index)
 
     # ------------------------------------------------------------------------ in-place
-    def add_(self, other: Any, alpha: float = 1) -> Tensor:
+    def add_(self, other: Any, alpha: builtins.float = 1) -> Tensor:
         return inplace.add_(self, other, alpha=alpha)
 
-    def sub_(self, other: Any, alpha: float = 1) -> Tensor:
+    def sub_(self, other: Any, alpha: builtins.float = 1) -> Tensor:
         return inplace.add_(self, other, alpha=-alpha)
 
     def mul_(self, other: Any) -> Tensor:

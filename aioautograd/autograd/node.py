@@ -60,6 +60,8 @@ class Node:
         "topological_nr",
     )
 
+    sequence_nr: int
+    topological_nr: int
     # True for nodes whose ``apply`` is a coroutine function (awaited on the event loop).
     is_async: ClassVar[bool] = False
 
@@ -206,7 +208,7 @@ class AccumulateGrad(Node):
             variable._backward_hooks = HookDict()
         self._tensor_pre_hooks = {0: variable._backward_hooks}
 
-    @property  # type: ignore[override]
+    @property
     def _input_metadata(self) -> list[InputMetadata]:
         # Read live: users may rebind ``leaf.data``.
         variable = self.variable

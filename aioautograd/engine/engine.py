@@ -126,10 +126,10 @@ class Engine:
                 if caller is not None:
                     node._stream.wait_stream(caller)
         root: Node
-        if len(roots) == 1 and roots[0][0] is not None:
+        single, input_nr = roots[0] if len(roots) == 1 else (None, 0)
+        if single is not None:
             # One root: start at its node directly (PyTorch skips the dummy GraphRoot too).
-            root, input_nr = roots[0]
-            assert root is not None
+            root = single
             buffer: list[Tensor | None] = [None] * len(root._input_metadata)
             buffer[input_nr] = checked[0]
             first = NodeTask(graph_task, root, buffer)

@@ -49,9 +49,10 @@ def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTas
             outputs = _finish_outputs(graph_task, node, task.outputs, inputs)
         else:
             task.inputs = _NO_INPUTS  # the buffer is ours now; AccumulateGrad may steal from it
-            outputs = _call_function(graph_task, node, inputs, executor.device)
-            if outputs is None:  # handed to the event loop, or nothing to run
+            called = _call_function(graph_task, node, inputs, executor.device)
+            if called is None:  # handed to the event loop, or nothing to run
                 return None
+            outputs = called
         return _make_ready(engine, graph_task, node, outputs, executor.device)
     except BaseException as exc:
         graph_task.set_error(exc, node, executor.device, inputs)
@@ -85,7 +86,7 @@ def _call_function(
         if graph_task.loop is not None and graph_task.loop.is_running():
             graph_task.start_async_node(node, inputs)
             return None
-        outputs = asyncio.run(node.apply(inputs))  # type: ignore[arg-type]
+        outputs: Sequence[Tensor | None] = asyncio.run(node.apply(inputs))  # type: ignore[arg-type]
         return _finish_outputs(graph_task, node, outputs, inputs)
     stream = node._stream
     if stream is None:

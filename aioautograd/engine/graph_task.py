@@ -25,7 +25,7 @@ from aioautograd.autograd.saved import describe
 from aioautograd.devices.device import stash_current_streams
 from aioautograd.engine.ready_queue import DEPTH_SHIFT, NodeTask, ReadyQueue
 from aioautograd.grad_mode import _grad_enabled
-from aioautograd.profiler.recorder import active_profiler
+from aioautograd.profiler.recorder import active_profiler, profile
 
 if TYPE_CHECKING:
     from aioautograd.devices.device import Device
@@ -106,7 +106,9 @@ class GraphTask:
         self.caller_streams = stash_current_streams()
         self.leaf_streams: set[Stream] = set()
         recorder = active_profiler.get()
-        self.profiler = recorder if recorder is not None or parent is None else parent.profiler
+        self.profiler: profile | None = (
+            recorder if recorder is not None or parent is None else parent.profiler
+        )
 
     def __repr__(self) -> str:
         return f"<GraphTask {self.id} depth={self.reentrant_depth}>"

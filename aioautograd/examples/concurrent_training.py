@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ class Run:
 
 def make_runs(hidden: int, seed: int) -> list[Run]:
     ag.manual_seed(seed)
-    configs = [
+    configs: list[tuple[str, Callable[[Any], optim.Optimizer]]] = [
         ("adam", lambda p: optim.Adam(p, lr=3e-3)),
         ("adamw", lambda p: optim.AdamW(p, lr=3e-3)),
         ("sgd-momentum", lambda p: optim.SGD(p, lr=0.1, momentum=0.9)),

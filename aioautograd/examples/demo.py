@@ -64,7 +64,7 @@ async def train(steps: int) -> float:
     x, y = make_spirals(300, 3, seed=0)
     params = init_mlp([2, 128, 128, 3], seed=1)
     velocity = [ag.zeros_like(p) for p in params]
-    stop, gaps = asyncio.Event(), []
+    stop, gaps = asyncio.Event(), list[float]()
     beat = asyncio.create_task(heartbeat(stop, gaps))
     print(f"training a 2-128-128-3 MLP on {len(x)} spiral points, {steps} steps")
     start = time.perf_counter()
@@ -96,11 +96,10 @@ def main() -> None:
     args = parser.parse_args()
     try:
         import uvloop
-
-        runner = uvloop.run
     except ImportError:
-        runner = asyncio.run
-    runner(train(args.steps))
+        asyncio.run(train(args.steps))
+    else:
+        uvloop.run(train(args.steps))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ class Sub(Op):
 
 class Mul(Op):
     @staticmethod
-    def forward(ctx: FunctionCtx, a: Any, b: Any) -> Tensor:
+    def forward(ctx: Any, a: Any, b: Any) -> Tensor:
         a_data, b_data, device = binary_operands(a, b)
         needs = ctx.needs_input_grad
         if needs:
