@@ -1,8 +1,8 @@
 """`Optimizer`: parameter groups, per-parameter state, ``zero_grad`` and state dicts, as in
 ``torch.optim.Optimizer``.
 
-Subclasses implement ``step``. Updates run under ``no_grad``: the parameters are changed
-only through in-place tensor ops (``add_``, ``mul_``, ``copy_``), so every step bumps their
+Subclasses implement ``_update`` (one parameter). Updates run under ``no_grad``: the
+parameters are changed only through in-place tensor ops (``add_``, ``mul_``, ``copy_``), so every step bumps their
 version counters and a graph that saved a parameter before the step refuses to
 backpropagate through the stale value. Intermediate arithmetic is done on the ``.data``
 arrays with each parameter's array module (NumPy or CuPy), never round-tripping the host.
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from aioautograd.grad_mode import enable_grad
+from aioautograd.grad_mode import enable_grad, no_grad
 from aioautograd.nn.module import _numpy_copy, _zero_grads
 from aioautograd.tensor import Tensor
 
@@ -131,9 +131,19 @@ class Optimizer:
         """Update the parameters from their ``.grad``; returns ``closure()`` if given.
 
         ``closure`` is a synchronous callable that recomputes the loss (with
-        ``loss.backward_sync()``); it runs with grad mode enabled.
+        ``loss.backward_sync()``); it runs with grad mode enabled. Updates run under
+        ``no_grad`` with in-place ops, so they bump the parameters' version counters.
         """
-        raise NotImplementedError
+        loss = self._closure_loss(closure)
+        with no_grad():
+            for group in self.param_groups:
+                for param in self._params_with_grad(group):
+                    self._update(param, group)
+        return loss
+
+    def _update(self, param: Tensor, group: dict[str, Any]) -> None:
+        """Update one parameter from its gradient (each optimizer's rule)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _update")
 
     def _closure_loss(self, closure: Callable[[], Any] | None) -> Any:
         if closure is None:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from aioautograd.grad_mode import no_grad
 from aioautograd.optim.optimizer import Optimizer, ParamsT
 from aioautograd.tensor import Tensor
 
@@ -55,15 +53,6 @@ class SGD(Optimizer):
             "maximize": maximize,
         }
         super().__init__(params, defaults)
-
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Take one step; returns ``closure()`` when a closure is given."""
-        loss = self._closure_loss(closure)
-        with no_grad():
-            for group in self.param_groups:
-                for param in self._params_with_grad(group):
-                    self._update(param, group)
-        return loss
 
     def _update(self, param: Tensor, group: dict[str, Any]) -> None:
         assert param.grad is not None
