@@ -2,9 +2,9 @@
 ``torch.optim.Optimizer``.
 
 Subclasses implement ``_update`` (one parameter). Updates run under ``no_grad``: the
-parameters are changed only through in-place tensor ops (``add_``, ``mul_``, ``copy_``), so every step bumps their
-version counters and a graph that saved a parameter before the step refuses to
-backpropagate through the stale value. Intermediate arithmetic is done on the ``.data``
+parameters are changed only through in-place tensor ops (``add_``, ``mul_``, ``copy_``),
+so every step bumps their version counters and a graph that saved a parameter before the
+step refuses to backpropagate through the stale value. Intermediate arithmetic is done on the ``.data``
 arrays with each parameter's array module (NumPy or CuPy), never round-tripping the host.
 """
 
