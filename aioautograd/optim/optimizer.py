@@ -4,8 +4,9 @@
 Subclasses implement ``_update`` (one parameter). Updates run under ``no_grad``: the
 parameters are changed only through in-place tensor ops (``add_``, ``mul_``, ``copy_``),
 so every step bumps their version counters and a graph that saved a parameter before the
-step refuses to backpropagate through the stale value. Intermediate arithmetic is done on the ``.data``
-arrays with each parameter's array module (NumPy or CuPy), never round-tripping the host.
+step refuses to backpropagate through the stale value. Intermediate arithmetic is done on
+the ``.data`` arrays with each parameter's array module (NumPy or CuPy), never
+round-tripping the host.
 """
 
 from __future__ import annotations
