@@ -99,11 +99,14 @@ async def train(steps: int, hidden: int, output: Path, progress: bool) -> dict[s
         if bar is not None:
             bar.close()
 
-    # One model at a time, with NumPy's default (multi-threaded) BLAS.
+    # One model at a time, under the same BLAS limit, so the ratio measures concurrency
+    # alone (with several threads calling into a multi-threaded OpenBLAS pool, a small
+    # machine can be many times slower, which would inflate the speed-up).
     sequential_runs = make_runs(hidden, seed=1)
     start = time.perf_counter()
-    for run in sequential_runs:
-        await train_one(run, x, y, steps, None)
+    with threadpool_limits(limits=1, user_api="blas"):
+        for run in sequential_runs:
+            await train_one(run, x, y, steps, None)
     sequential_s = time.perf_counter() - start
 
     accuracies = {}
@@ -116,7 +119,7 @@ async def train(steps: int, hidden: int, output: Path, progress: bool) -> dict[s
             f"{run.name:>12}: final loss {run.losses[-1]:.4f}, accuracy {accuracies[run.name]:.1%}"
         )
     print(
-        f"concurrent: {concurrent_s:.2f} s, sequential (default BLAS threads): "
+        f"concurrent: {concurrent_s:.2f} s, sequential (same 1-thread BLAS): "
         f"{sequential_s:.2f} s, "
         f"speed-up x{sequential_s / concurrent_s:.2f} "
         f"({len(prof.events)} nodes on "
