@@ -68,6 +68,23 @@ async def _analytical_jacobian(
     return result
 
 
+def _differentiable_inputs(
+    inputs: Sequence[Any] | Tensor, name: str
+) -> tuple[tuple[Any, ...], list[int]]:
+    """The argument tuple and the positions of the float64 tensors that require grad."""
+    args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+    diff = [i for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad]
+    if not diff:
+        raise ValueError(f"{name} expects at least one input tensor with requires_grad=True")
+    for i in diff:
+        if args[i].dtype != np.float64:
+            raise ValueError(
+                f"{name} input {i} has dtype {args[i].dtype}; use float64 for finite "
+                "differences to be meaningful"
+            )
+    return args, diff
+
+
 async def gradcheck(
     fn: Callable[..., Any],
     inputs: Sequence[Any] | Tensor,
@@ -86,16 +103,7 @@ async def gradcheck(
         GradcheckError: on a mismatch, naming the input and output (unless
             ``raise_exception=False``, which returns ``False`` instead).
     """
-    args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
-    diff = [i for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad]
-    if not diff:
-        raise ValueError("gradcheck expects at least one input tensor with requires_grad=True")
-    for i in diff:
-        if args[i].dtype != np.float64:
-            raise ValueError(
-                f"gradcheck input {i} has dtype {args[i].dtype}; use float64 for finite "
-                "differences to be meaningful"
-            )
+    args, diff = _differentiable_inputs(inputs, "gradcheck")
     analytical = await _analytical_jacobian(fn, args, diff)
     for position, i in enumerate(diff):
         numerical = _numerical_jacobian(fn, args, i, eps)
@@ -147,10 +155,7 @@ async def gradgradcheck(
 
     Use float64 inputs; a coroutine like :func:`gradcheck`.
     """
-    args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
-    diff = [i for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad]
-    if not diff:
-        raise ValueError("gradgradcheck expects an input tensor with requires_grad=True")
+    args, diff = _differentiable_inputs(inputs, "gradgradcheck")
     rng = np.random.default_rng(1234)
     with no_grad():
         seeds = [rng.standard_normal(o.shape).astype(o.dtype) for o in _outputs(fn, args)]
