@@ -9,7 +9,7 @@ from aioautograd.tensor import Tensor  # isort: skip
 
 import numpy as _np
 
-from aioautograd import graph, nn, optim, profiler
+from aioautograd import devices, graph, nn, optim, profiler
 from aioautograd.anomaly_mode import (
     detect_anomaly,
     is_anomaly_check_nan_enabled,
@@ -128,6 +128,7 @@ __all__ = [
     "cos",
     "detect_anomaly",
     "device",
+    "devices",
     "div",
     "empty",
     "enable_grad",
