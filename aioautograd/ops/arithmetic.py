@@ -196,9 +196,17 @@ def add(a: Any, b: Any) -> Tensor:
     return Add.apply(a, b)  # type: ignore[no-any-return]
 
 
+# PyTorch's node names for the other operand kinds: ``scalar - tensor`` is RsubBackward1,
+# ``tensor ** tensor`` PowBackward1 and ``scalar ** tensor`` PowBackward2.
+Rsub: type[Sub] = type("Rsub", (Sub,), {"_node_suffix": "Backward1"})
+PowTensor: type[Pow] = type("Pow", (Pow,), {"_node_suffix": "Backward1"})
+PowScalarBase: type[Pow] = type("Pow", (Pow,), {"_node_suffix": "Backward2"})
+
+
 def sub(a: Any, b: Any) -> Tensor:
     """``a - b`` with NumPy broadcasting."""
-    return Sub.apply(a, b)  # type: ignore[no-any-return]
+    op = Sub if isinstance(a, Tensor) else Rsub
+    return op.apply(a, b)  # type: ignore[no-any-return]
 
 
 def mul(a: Any, b: Any) -> Tensor:
@@ -213,7 +221,8 @@ def div(a: Any, b: Any) -> Tensor:
 
 def pow(a: Any, b: Any) -> Tensor:
     """``a ** b`` with NumPy broadcasting."""
-    return Pow.apply(a, b)  # type: ignore[no-any-return]
+    op = (PowTensor if isinstance(a, Tensor) else PowScalarBase) if isinstance(b, Tensor) else Pow
+    return op.apply(a, b)  # type: ignore[no-any-return]
 
 
 def neg(a: Tensor) -> Tensor:

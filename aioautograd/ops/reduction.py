@@ -294,9 +294,16 @@ def _softmax_axis(x: Tensor, dim: int) -> int | None:
     return axis if x.ndim else None
 
 
+# PyTorch names a reduction over given dims ``SumBackward1`` (``MeanBackward1``) and the
+# full one ``...Backward0``: same op, second node name.
+SumDim: type[Sum] = type("Sum", (Sum,), {"_node_suffix": "Backward1"})
+MeanDim: type[Mean] = type("Mean", (Mean,), {"_node_suffix": "Backward1"})
+
+
 def sum(x: Tensor, dim: Dims = None, keepdim: bool = False) -> Tensor:
     """Sum over ``dim`` (all dimensions by default)."""
-    return Sum.apply(x, dim, keepdim)  # type: ignore[no-any-return]
+    op = Sum if dim is None else SumDim
+    return op.apply(x, dim, keepdim)  # type: ignore[no-any-return]
 
 
 def sum_to_size(x: Tensor, shape: Shape) -> Tensor:
@@ -313,7 +320,8 @@ def mean(x: Tensor, dim: Dims = None, keepdim: bool = False) -> Tensor:
             f"mean(): could not infer output dtype. Input dtype must be floating point, got "
             f"{x.dtype}"
         )
-    return Mean.apply(x, dim, keepdim)  # type: ignore[no-any-return]
+    op = Mean if dim is None else MeanDim
+    return op.apply(x, dim, keepdim)  # type: ignore[no-any-return]
 
 
 def max(x: Tensor, dim: int | Tensor | None = None, keepdim: bool = False) -> Any:

@@ -32,7 +32,7 @@ class Binary(NamedTuple):
     reference: Callable[[np.ndarray, np.ndarray], np.ndarray]
     torch_fn: Callable[[Any, Any, Any], Any]  # (torch, a, b)
     domains: tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.ndarray]]
-    node: str | None  # None: PyTorch's name differs (PowBackward1), not checked
+    node: str | None  # the node name PyTorch gives (None: not checked)
 
 
 def _where(a: Any, b: Any) -> ag.Tensor:
@@ -51,7 +51,7 @@ BINARY: dict[str, Binary] = {
     "sub": Binary(ag.sub, np.subtract, lambda torch, a, b: a - b, (_any, _any), "SubBackward0"),
     "mul": Binary(ag.mul, np.multiply, lambda torch, a, b: a * b, (_any, _any), "MulBackward0"),
     "div": Binary(ag.div, np.divide, lambda torch, a, b: a / b, (_any, _positive), "DivBackward0"),
-    "pow": Binary(ag.pow, np.power, lambda torch, a, b: a**b, (_positive, _any), None),
+    "pow": Binary(ag.pow, np.power, lambda torch, a, b: a**b, (_positive, _any), "PowBackward1"),
     "maximum": Binary(
         ag.maximum,
         np.maximum,
