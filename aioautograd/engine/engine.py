@@ -12,7 +12,7 @@ from aioautograd.anomaly_mode import _anomaly
 from aioautograd.autograd.node import Edge, GraphRoot, Node
 from aioautograd.devices.device import Device
 from aioautograd.engine.executor import Executor
-from aioautograd.engine.graph_task import GraphTask, current_graph_task
+from aioautograd.engine.graph_task import GraphTask, LeafHook, current_graph_task
 from aioautograd.engine.input_buffer import buffer_device
 from aioautograd.engine.ready_queue import NodeTask
 from aioautograd.engine.validate import validate_outputs
@@ -107,6 +107,7 @@ class Engine:
         accumulate_grad: bool,
         outputs: Sequence[Edge] | None,
         loop: asyncio.AbstractEventLoop | None,
+        leaf_hook: LeafHook | None = None,
     ) -> tuple[GraphTask, NodeTask, Device]:
         checked = validate_outputs(roots, grads, "backward")
         parent = current_graph_task.get()
@@ -118,6 +119,7 @@ class Engine:
             anomaly=_anomaly.get(),
             loop=loop if loop is not None else (parent.loop if parent is not None else None),
             parent=parent,
+            leaf_hook=leaf_hook,
         )
         for (node, _), grad in zip(roots, checked, strict=True):
             # The root gradient was made on the caller's stream; the root node runs on its own.
@@ -151,16 +153,20 @@ class Engine:
         create_graph: bool,
         accumulate_grad: bool,
         outputs: Sequence[Edge] | None = None,
+        *,
+        leaf_hook: LeafHook | None = None,
     ) -> list[Tensor | None]:
         """Run a backward pass from ``roots`` seeded with ``inputs`` (their gradients).
 
         With ``outputs``, only the nodes on a path to them run and the gradients flowing
         into them are returned (``grad()``); with ``accumulate_grad`` leaves accumulate into
-        ``.grad``. Cancelling the awaiting task cancels the graph task.
+        ``.grad``, or are handed to ``leaf_hook(leaf, grad)`` instead when it is given
+        (distributed autograd accumulates into its context that way; ``.grad`` stays
+        untouched). Cancelling the awaiting task cancels the graph task.
         """
         loop = asyncio.get_running_loop()
         graph_task, first, device = self._make_graph_task(
-            roots, inputs, keep_graph, create_graph, accumulate_grad, outputs, loop
+            roots, inputs, keep_graph, create_graph, accumulate_grad, outputs, loop, leaf_hook
         )
         return await graph_task.run(first, device)
 

@@ -82,6 +82,13 @@ def _call_function(
             result = hook(tuple(inputs))
             if result is not None:
                 inputs = list(result)
+    if graph_task.leaf_hook is not None and isinstance(node, AccumulateGrad):
+        # The gradient goes to the hook (a distributed autograd context), not to ``.grad``.
+        grad = inputs[0]
+        if grad is not None:
+            with node._lock:
+                graph_task.leaf_hook(node.variable, grad)
+        return _finish_outputs(graph_task, node, (), inputs)
     if node.is_async:
         if graph_task.loop is not None and graph_task.loop.is_running():
             graph_task.start_async_node(node, inputs)

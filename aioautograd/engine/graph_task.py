@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 _ids = itertools.count(1)
 
+# Receives ``(leaf, grad)`` in place of the leaf's ``AccumulateGrad`` (distributed autograd).
+LeafHook = Callable[["Tensor", "Tensor"], None]
+
 # The graph task whose backward is running in this context (worker thread, async node, or
 # a final callback): ``queue_callback`` and nested backward attach to it.
 current_graph_task: contextvars.ContextVar[GraphTask | None] = contextvars.ContextVar(
@@ -74,6 +77,7 @@ class GraphTask:
         anomaly: AnomalyMode,
         loop: asyncio.AbstractEventLoop | None,
         parent: GraphTask | None,
+        leaf_hook: LeafHook | None = None,
     ) -> None:
         self.id = next(_ids)
         self.engine = engine
@@ -84,6 +88,7 @@ class GraphTask:
         self.anomaly = anomaly
         self.loop = loop
         self.parent = parent
+        self.leaf_hook = leaf_hook
         self.lock = threading.Lock()
         self.outstanding_tasks = 0
         self.dependencies: dict[Node, int] = {}

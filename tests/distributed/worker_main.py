@@ -11,7 +11,7 @@ import asyncio
 import os
 
 from aioautograd.distributed import rpc
-from tests.distributed import remote_fns
+from tests.distributed import dist_fns, remote_fns  # noqa: F401 (registers)
 
 
 async def main() -> None:

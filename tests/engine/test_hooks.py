@@ -177,3 +177,25 @@ async def test_graph_export_names_nodes() -> None:
     assert names == ["SumBackward0", "ExpBackward0", "MulBackward0", "AccumulateGrad"]
     assert y.grad_fn.sequence_nr > y.grad_fn.next_functions[0][0].sequence_nr
     assert y.grad_fn.topological_nr == 3
+
+
+async def test_leaf_hook_receives_leaf_gradients_instead_of_grad() -> None:
+    from aioautograd.engine.engine import get_default_engine
+
+    x = ag.tensor([1.0, 2.0], dtype="float64", requires_grad=True)
+    w = ag.tensor([3.0, -1.0], dtype="float64", requires_grad=True)
+    loss = (x * w * x).sum()
+    seen: dict[int, np.ndarray] = {}
+
+    def hook(leaf: ag.Tensor, grad: ag.Tensor) -> None:
+        seen[id(leaf)] = grad.data.copy()
+
+    root = loss._gradient_edge()
+    one = ag.tensor(1.0, dtype="float64")
+    await get_default_engine().execute([root], [one], True, False, True, leaf_hook=hook)
+    assert x.grad is None
+    assert w.grad is None
+    np.testing.assert_array_equal(seen[id(x)], 2 * x.data * w.data)
+    np.testing.assert_array_equal(seen[id(w)], x.data**2)
+    await loss.backward()  # without the hook, .grad as usual
+    np.testing.assert_array_equal(x.grad.data, 2 * x.data * w.data)

@@ -1,0 +1,55 @@
+"""Distributed autograd (``torch.distributed.autograd``) on top of :mod:`..rpc`.
+
+::
+
+    from aioautograd.distributed import autograd as dist_autograd, rpc
+
+    async with dist_autograd.context() as context_id:
+        hidden = await rpc.rpc_async("worker1", stage1, args=(x,))
+        loss = await rpc.rpc_async("worker2", stage2, args=(hidden,))
+        await dist_autograd.backward(context_id, [loss])
+        grads = dist_autograd.get_gradients(context_id)   # this worker's leaves
+
+Every RPC inside a context that carries tensors requiring grad records a
+``SendRpcBackward`` on the sender and a ``RecvRpcBackward`` on the receiver (requests and
+responses alike, nested calls included). ``backward`` runs FAST mode as a set of local passes
+(:mod:`.dist_engine`): gradients are accumulated into the context on each worker, never into
+``.grad``, and the call returns when every worker's pass has finished. A send whose
+gradient is never produced simply starts no pass. Errors on any worker surface on the caller
+as :class:`~aioautograd.distributed.rpc.RemoteError` with the worker's name; leaving the
+context releases it on every worker involved; contexts whose creator vanished expire
+(:func:`set_context_ttl`).
+
+Differences from PyTorch: ``retain_graph=False`` frees the saved tensors when the context
+is released rather than at once, so a second ``backward`` in the same context still works
+(and accumulates); ``create_graph`` is not supported.
+"""
+
+from __future__ import annotations
+
+from aioautograd.distributed.autograd.api import (
+    _get_debug_info,
+    context,
+    current_context_id,
+    get_debug_info,
+    get_gradients,
+    set_context_ttl,
+)
+from aioautograd.distributed.autograd.context import DistAutogradContainer, DistAutogradContext
+from aioautograd.distributed.autograd.dist_engine import DistAutogradInterceptor, backward
+from aioautograd.distributed.autograd.send_recv import RecvRpcBackward, SendRpcBackward
+
+__all__ = [
+    "DistAutogradContainer",
+    "DistAutogradContext",
+    "DistAutogradInterceptor",
+    "RecvRpcBackward",
+    "SendRpcBackward",
+    "_get_debug_info",
+    "backward",
+    "context",
+    "current_context_id",
+    "get_debug_info",
+    "get_gradients",
+    "set_context_ttl",
+]

@@ -1,0 +1,193 @@
+"""Distributed autograd contexts and their per-worker container (mirrors context.cpp).
+
+A context gathers, on one worker, everything one distributed forward/backward records there:
+the ``SendRpcBackward`` nodes of the messages it sent (by autograd message id), the workers
+it exchanged tensors with (to release the context on them), and the gradients of its leaves
+(accumulated here, never into ``.grad``). Every worker keeps its contexts in a
+:class:`DistAutogradContainer`, one per RPC agent (on the ``local`` backend several agents
+share a process).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from aioautograd.autograd.node import Node
+
+if TYPE_CHECKING:
+    from aioautograd.distributed.autograd.send_recv import SendRpcBackward
+    from aioautograd.distributed.rpc.agent import RpcAgent
+    from aioautograd.tensor import Tensor
+
+# The context of the running task: set by ``context()`` on the caller, and by the receipt of
+# a request that carries autograd metadata in the task that runs the remote function.
+_current_context: contextvars.ContextVar[DistAutogradContext | None] = contextvars.ContextVar(
+    "aioautograd_dist_autograd_context", default=None
+)
+
+DEFAULT_CONTEXT_TTL = 1800.0  # seconds an orphaned (never released) context survives
+
+
+class DistAutogradContext:
+    """The state of one distributed autograd context on one worker (thread-safe)."""
+
+    def __init__(self, context_id: int, agent: RpcAgent) -> None:
+        self.context_id = context_id
+        self.agent = agent
+        self.known_workers: set[str] = set()
+        self.send_functions: dict[int, SendRpcBackward] = {}
+        self.roots: list[Node] = []
+        self.release_graph = False  # a backward without retain_graph ran in this context
+        self.lock = threading.Lock()
+        self.last_used = time.monotonic()
+        self.active_passes = 0
+        self.released = False
+        self._grads: dict[int, tuple[Tensor, Tensor]] = {}  # id(leaf) -> (leaf, gradient)
+
+    def __repr__(self) -> str:
+        return f"<DistAutogradContext {self.context_id} on {self.agent.info.name}>"
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
+
+    def add_known_worker(self, name: str) -> None:
+        if name != self.agent.info.name:
+            with self.lock:
+                self.known_workers.add(name)
+
+    def add_send_function(self, node: SendRpcBackward, message_id: int) -> None:
+        with self.lock:
+            self.send_functions[message_id] = node
+
+    def send_function(self, message_id: int) -> SendRpcBackward:
+        with self.lock:
+            node = self.send_functions.get(message_id)
+        if node is None:
+            raise RuntimeError(
+                f"no send function for autograd message {message_id} in context "
+                f"{self.context_id} on worker {self.agent.info.name!r}"
+            )
+        return node
+
+    def accumulate(self, leaf: Tensor, grad: Tensor) -> None:
+        """The engine's leaf hook: add ``grad`` to the context's gradient of ``leaf``."""
+        key = id(leaf)
+        with self.lock:
+            entry = self._grads.get(key)
+            if entry is None:
+                self._grads[key] = (leaf, grad.detach().clone())
+            else:
+                self._grads[key] = (leaf, entry[1] + grad.detach())
+
+    def gradients(self) -> dict[Tensor, Tensor]:
+        with self.lock:
+            return dict(self._grads.values())
+
+    def release(self) -> None:
+        """Drop what the context holds; free the saved tensors of its graph when asked."""
+        with self.lock:
+            self.released = True
+            nodes: list[Node] = [*self.send_functions.values(), *self.roots]
+            release = self.release_graph
+            self.send_functions.clear()
+            self.roots.clear()
+            self._grads.clear()
+        if release:
+            _release_graph(nodes)
+
+
+def _release_graph(starts: list[Node]) -> None:
+    seen: set[Node] = set()
+    stack = list(starts)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        with node._lock:
+            node.release_variables()
+        stack.extend(next_node for next_node, _ in node._next_edges if next_node is not None)
+
+
+class DistAutogradContainer:
+    """One worker's contexts, by id (thread-safe)."""
+
+    def __init__(self, agent: RpcAgent) -> None:
+        self.agent = agent
+        self.ttl = DEFAULT_CONTEXT_TTL
+        self._contexts: dict[int, DistAutogradContext] = {}
+        self._owned: set[int] = set()  # contexts created here (released by ``context()``)
+        self._lock = threading.Lock()
+        self._context_ids = itertools.count(1)
+        self._message_ids = itertools.count(1)
+        self.num_current_backward_passes = 0
+
+    @property
+    def worker_name(self) -> str:
+        return self.agent.info.name
+
+    def new_context(self) -> DistAutogradContext:
+        """A context with an id unique across workers: ``(worker id << 48) | counter``."""
+        context_id = (self.agent.info.id << 48) | next(self._context_ids)
+        context = DistAutogradContext(context_id, self.agent)
+        with self._lock:
+            self._expire()
+            self._contexts[context_id] = context
+            self._owned.add(context_id)
+        return context
+
+    def get_or_create(self, context_id: int) -> DistAutogradContext:
+        with self._lock:
+            context = self._contexts.get(context_id)
+            if context is None:
+                self._expire()
+                context = self._contexts[context_id] = DistAutogradContext(context_id, self.agent)
+        context.touch()
+        return context
+
+    def get(self, context_id: int) -> DistAutogradContext:
+        with self._lock:
+            context = self._contexts.get(context_id)
+        if context is None:
+            raise RuntimeError(
+                f"could not find autograd context with id {context_id} on worker "
+                f"{self.worker_name!r}: it was released (or never existed here)"
+            )
+        context.touch()
+        return context
+
+    def pop(self, context_id: int) -> DistAutogradContext | None:
+        with self._lock:
+            self._owned.discard(context_id)
+            return self._contexts.pop(context_id, None)
+
+    def next_message_id(self) -> int:
+        return next(self._message_ids)
+
+    def num_contexts(self) -> int:
+        with self._lock:
+            return len(self._contexts)
+
+    def clear(self) -> None:
+        with self._lock:
+            contexts = list(self._contexts.values())
+            self._contexts.clear()
+            self._owned.clear()
+        for context in contexts:
+            context.release()
+
+    def _expire(self) -> None:
+        # Called with the lock held: drop contexts of other workers idle for longer than the
+        # TTL (their creator died, or its release never arrived).
+        now = time.monotonic()
+        expired = [
+            cid
+            for cid, ctx in self._contexts.items()
+            if cid not in self._owned and not ctx.active_passes and now - ctx.last_used > self.ttl
+        ]
+        for cid in expired:
+            self._contexts.pop(cid).release()

@@ -1,0 +1,215 @@
+"""The distributed engine: the RPC interceptor, the internal RPC handlers and ``backward``
+(FAST mode of dist_engine.cpp, one local graph task per incoming gradient).
+
+Backpropagation is linear in the incoming gradient, so a distributed backward pass is a set
+of local passes: one on the caller from the roots, and one on a worker each time a
+``RecvRpcBackward`` sends it the gradients of one message, rooted at that message's
+``SendRpcBackward``. Each ``RecvRpcBackward`` awaits the pass it starts, so the caller's
+``backward`` returns only when every pass on every worker has finished; a send that never
+receives a gradient starts no pass and blocks nothing. Leaves accumulate into the context
+through the engine's leaf hook. Passes keep the graph (a subgraph may be reached by several
+passes); it is released with the context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from aioautograd.autograd.node import Edge
+from aioautograd.distributed.autograd.context import (
+    DistAutogradContainer,
+    DistAutogradContext,
+    _current_context,
+)
+from aioautograd.distributed.autograd.send_recv import RecvRpcBackward, SendRpcBackward
+from aioautograd.distributed.rpc.agent import RpcAgent
+from aioautograd.distributed.rpc.interceptors import (
+    MessageInfo,
+    RpcInterceptor,
+    register_interceptor_factory,
+)
+from aioautograd.distributed.rpc.registry import INTERNAL_PREFIX
+from aioautograd.distributed.rpc.worker import WorkerInfo, current_agent
+from aioautograd.engine.api import _make_grads, _root_edges
+from aioautograd.engine.engine import Engine
+from aioautograd.tensor import Tensor
+
+logger = logging.getLogger("aioautograd.distributed.autograd")
+
+INTERCEPTOR = "dist_autograd"
+BACKWARD = f"{INTERNAL_PREFIX}dist_autograd_backward"
+RELEASE = f"{INTERNAL_PREFIX}dist_autograd_release"
+
+# Internal RPC functions installed on every agent (``module`` adds its own, e.g. the
+# distributed optimizer); each receives the calling worker's WorkerInfo first.
+INTERNAL_FUNCTIONS: dict[str, Any] = {}
+
+
+class DistAutogradInterceptor(RpcInterceptor):
+    """Records send/recv functions for the messages of one worker (see the module doc)."""
+
+    def __init__(self, agent: RpcAgent) -> None:
+        self.agent = agent
+        self.container = DistAutogradContainer(agent)
+
+    def _context(self) -> DistAutogradContext | None:
+        context = _current_context.get()
+        if context is None or context.agent is not self.agent or context.released:
+            return None
+        return context
+
+    def on_send(self, info: MessageInfo, tensors: Sequence[Tensor]) -> Any:
+        context = self._context()
+        if context is None:
+            return None
+        context.add_known_worker(info.dst.name)
+        needing = [tensor for tensor in tensors if tensor.requires_grad]
+        if not needing:
+            # A user request still carries the context, so that the callee records its
+            # response (parameters on the callee make it require grad).
+            user_request = info.kind == "request" and not info.function.startswith(INTERNAL_PREFIX)
+            return [context.context_id, None] if user_request else None
+        message_id = self.container.next_message_id()
+        context.add_send_function(SendRpcBackward(needing), message_id)
+        return [context.context_id, message_id]
+
+    def on_receive(self, info: MessageInfo, tensors: list[Tensor], metadata: Any) -> list[Tensor]:
+        if metadata is None:
+            return tensors
+        context_id, message_id = metadata
+        context = self.container.get_or_create(context_id)
+        context.add_known_worker(info.src.name)
+        if info.kind == "request":  # the remote function runs in this context
+            _current_context.set(context)
+        if message_id is None:
+            return tensors
+        return RecvRpcBackward(self.agent, context_id, message_id, info.src).wrap(tensors)
+
+    async def on_shutdown(self) -> None:
+        self.container.clear()
+
+
+def _install(agent: RpcAgent) -> DistAutogradInterceptor:
+    # Internal functions: refused by no allow-list, called with the caller's WorkerInfo.
+    agent._internal.update(INTERNAL_FUNCTIONS)
+    return DistAutogradInterceptor(agent)
+
+
+register_interceptor_factory(INTERCEPTOR, _install)
+
+
+def container_of(agent: RpcAgent | None = None) -> DistAutogradContainer:
+    """The context container of ``agent`` (default: the current worker's)."""
+    agent = agent if agent is not None else current_agent()
+    interceptor = agent.get_interceptor(INTERCEPTOR)
+    if not isinstance(interceptor, DistAutogradInterceptor):
+        raise RuntimeError(
+            f"distributed autograd is not installed on worker {agent.info.name!r}: import "
+            "aioautograd.distributed before calling init_rpc"
+        )
+    return interceptor.container
+
+
+# ------------------------------------------------------------------------------ passes
+async def run_pass(
+    container: DistAutogradContainer,
+    context: DistAutogradContext,
+    roots: Sequence[Edge],
+    grads: Sequence[Tensor | None],
+) -> None:
+    """One local pass of a distributed backward: leaves accumulate into ``context``."""
+    with context.lock:
+        context.active_passes += 1
+    container.num_current_backward_passes += 1
+    try:
+        await Engine.get_default_engine().execute(
+            roots, grads, True, False, True, leaf_hook=context.accumulate
+        )
+    finally:
+        container.num_current_backward_passes -= 1
+        with context.lock:
+            context.active_passes -= 1
+        context.touch()
+
+
+async def backward(context_id: int, roots: Sequence[Tensor], retain_graph: bool = False) -> None:
+    """Run the distributed backward pass of context ``context_id`` from scalar ``roots``.
+
+    Gradients accumulate into the context on every worker that holds leaves
+    (:func:`get_gradients`), never into ``.grad``. Returns when the passes on every worker
+    involved have finished. Several backward passes in one context accumulate.
+    ``retain_graph=False`` frees the saved tensors of the context's graph when the context
+    is released (at the end of ``async with context()``), not at once: until then the graph
+    may still be traversed.
+
+    Raises:
+        RuntimeError: unknown context, non-scalar or non-differentiable roots.
+        RemoteError: a pass failed on another worker (its name and message included).
+        RpcTimeoutError, WorkerUnavailableError: a worker did not answer in time or died.
+    """
+    container = container_of()
+    context = container.get(context_id)
+    outputs = tuple(roots) if isinstance(roots, (list, tuple)) else (roots,)
+    if not outputs:
+        raise RuntimeError("backward needs at least one root tensor")
+    edges = _root_edges(outputs)
+    grads = _make_grads(outputs, (None,) * len(outputs))
+    with context.lock:
+        context.roots.extend(node for node, _ in edges if node is not None)
+        if not retain_graph:
+            context.release_graph = True
+    await run_pass(container, context, edges, grads)
+
+
+# ---------------------------------------------------------------------- internal handlers
+async def _backward_handler(
+    src: WorkerInfo, context_id: int, message_id: int, grads: list[Tensor | None]
+) -> None:
+    container = container_of()
+    context = container.get(context_id)
+    send = context.send_function(message_id)
+    roots: list[Edge] = []
+    inputs: list[Tensor | None] = []
+    for i, grad in enumerate(grads):
+        if grad is not None:
+            roots.append((send, i))
+            inputs.append(grad)
+    if roots:
+        await run_pass(container, context, roots, inputs)
+
+
+async def release_on(agent: RpcAgent, context: DistAutogradContext, skip: str | None) -> None:
+    """Release ``context`` on the workers it knows (but ``skip``), awaiting their acks."""
+    with context.lock:
+        workers = sorted(context.known_workers - {skip, agent.info.name})
+    if not workers:
+        return
+    results = await asyncio.gather(
+        *(agent.call(worker, RELEASE, (context.context_id,)) for worker in workers),
+        return_exceptions=True,
+    )
+    for worker, result in zip(workers, results, strict=True):
+        if isinstance(result, BaseException):
+            logger.warning(
+                "worker %r could not release autograd context %d on worker %r: %s",
+                agent.info.name,
+                context.context_id,
+                worker,
+                result,
+            )
+
+
+async def _release_handler(src: WorkerInfo, context_id: int) -> None:
+    agent = current_agent()
+    context = container_of(agent).pop(context_id)
+    if context is None:  # released already (reached through another worker)
+        return
+    context.release()
+    await release_on(agent, context, src.name)
+
+
+INTERNAL_FUNCTIONS[BACKWARD] = _backward_handler
+INTERNAL_FUNCTIONS[RELEASE] = _release_handler

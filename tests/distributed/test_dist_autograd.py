@@ -1,0 +1,369 @@
+"""Distributed autograd and the distributed optimizer on the ``local`` backend (and the core
+pipeline over ``grpc``): gradients match single-process autograd exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+import aioautograd as ag
+from aioautograd import optim
+from aioautograd.distributed import autograd as dist_autograd
+from aioautograd.distributed import rpc
+from aioautograd.distributed.autograd.dist_engine import container_of
+from aioautograd.distributed.optim import DistributedOptimizer
+from tests.distributed import dist_fns
+from tests.distributed.conftest import FAST_HEARTBEAT, World, in_fresh_context, start_world
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
+
+_keys = itertools.count()
+RNG = np.random.default_rng(0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def world(tmp_path_factory: pytest.TempPathFactory):
+    started = await start_world("local", tmp_path_factory.mktemp("local"), n_workers=3)
+    yield started
+    await started.close()
+
+
+def _array(*shape: int) -> np.ndarray:
+    return RNG.standard_normal(shape)
+
+
+async def _place(worker: str, array: np.ndarray) -> str:
+    key = f"p{next(_keys)}"
+    await rpc.rpc_async(worker, dist_fns.create_param, args=(key, array))
+    return key
+
+
+async def _reference(
+    x: np.ndarray, weights: list[np.ndarray], stages: list[str]
+) -> list[np.ndarray]:
+    """Single-process gradients of the same model (``stages``: "linear" or "loss")."""
+    params = [ag.tensor(w.copy(), requires_grad=True) for w in weights]
+    h = ag.tensor(x)
+    for param, stage in zip(params, stages, strict=True):
+        h = (h @ param).tanh() if stage == "linear" else ((h @ param) ** 2).mean()
+    await h.backward()
+    return [p.grad.numpy() for p in params]
+
+
+async def _assert_clean(world: World) -> None:
+    infos = [dist_autograd.get_debug_info()]
+    infos += [await rpc.rpc_async(w, dist_fns.debug_info) for w in world.workers]
+    clean = {"num_autograd_contexts": 0, "num_current_backward_passes": 0}
+    assert infos == [clean] * (1 + len(world.workers))
+
+
+async def test_pipeline_over_two_workers(world: World) -> None:
+    x, w0, w1, w2 = _array(4, 5), _array(5, 6), _array(6, 3), _array(3, 2)
+    k1, k2 = await _place("worker1", w1), await _place("worker2", w2)
+    p0 = ag.tensor(w0.copy(), requires_grad=True)
+    async with dist_autograd.context() as context_id:
+        h = (ag.tensor(x) @ p0).tanh()
+        h = await rpc.rpc_async("worker1", dist_fns.linear, args=(k1, h))
+        loss = await rpc.rpc_async("worker2", dist_fns.square_loss, args=(k2, h))
+        assert isinstance(loss.grad_fn, dist_autograd.RecvRpcBackward)
+        await dist_autograd.backward(context_id, [loss])
+        grads = dist_autograd.get_gradients(context_id)
+        g1 = await rpc.rpc_async("worker1", dist_fns.context_grad, args=(k1, context_id))
+        g2 = await rpc.rpc_async("worker2", dist_fns.context_grad, args=(k2, context_id))
+    expected = await _reference(x, [w0, w1, w2], ["linear", "linear", "loss"])
+    assert list(grads) == [p0]
+    np.testing.assert_allclose(grads[p0].numpy(), expected[0], rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(g1, expected[1], rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(g2, expected[2], rtol=1e-12, atol=1e-14)
+    # .grad is untouched everywhere
+    assert p0.grad is None
+    assert await rpc.rpc_async("worker1", dist_fns.param_grad_attr, args=(k1,)) is None
+    assert await rpc.rpc_async("worker2", dist_fns.param_grad_attr, args=(k2,)) is None
+    with pytest.raises(RuntimeError, match="could not find autograd context"):
+        dist_autograd.get_gradients(context_id)
+    await _assert_clean(world)
+
+
+async def test_pipeline_over_three_workers_with_a_nested_call(world: World) -> None:
+    x, w0, w1, w2, w3 = _array(3, 4), _array(4, 4), _array(4, 5), _array(5, 3), _array(3, 2)
+    k1, k2, k3 = [await _place(f"worker{i}", w) for i, w in ((1, w1), (2, w2), (3, w3))]
+    p0 = ag.tensor(w0.copy(), requires_grad=True)
+    loss_fn = rpc.registry.name_of(dist_fns.square_loss)
+    async with dist_autograd.context() as context_id:
+        h = (ag.tensor(x) @ p0).tanh()
+        h = await rpc.rpc_async("worker1", dist_fns.linear, args=(k1, h))
+        # worker2 calls worker3 itself: the driver never talks to worker3
+        loss = await rpc.rpc_async(
+            "worker2", dist_fns.linear_then, args=(k2, "worker3", loss_fn, k3, h)
+        )
+        await dist_autograd.backward(context_id, [loss])
+        got = [dist_autograd.get_gradients(context_id)[p0].numpy()]
+        for worker, key in (("worker1", k1), ("worker2", k2), ("worker3", k3)):
+            got.append(await rpc.rpc_async(worker, dist_fns.context_grad, args=(key, context_id)))
+        assert await rpc.rpc_async("worker3", dist_fns.has_context, args=(context_id,))
+    expected = await _reference(x, [w0, w1, w2, w3], ["linear", "linear", "linear", "loss"])
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-14)
+    assert not await rpc.rpc_async("worker3", dist_fns.has_context, args=(context_id,))
+    await _assert_clean(world)
+
+
+async def test_concurrent_contexts_keep_their_gradients_apart(world: World) -> None:
+    w0, w1 = _array(5, 4), _array(4, 2)
+    k1 = await _place("worker1", w1)
+    p0 = ag.tensor(w0.copy(), requires_grad=True)
+
+    async def one(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        async with dist_autograd.context() as context_id:
+            h = ag.tensor(x) @ p0
+            await asyncio.sleep(0)
+            loss = await rpc.rpc_async("worker1", dist_fns.square_loss, args=(k1, h))
+            await dist_autograd.backward(context_id, [loss])
+            g1 = await rpc.rpc_async("worker1", dist_fns.context_grad, args=(k1, context_id))
+            return dist_autograd.get_gradients(context_id)[p0].numpy(), g1
+
+    xs = [_array(3, 5) for _ in range(6)]
+    results = await asyncio.gather(*(one(x) for x in xs))
+    ids = set()
+    for x, (g0, g1) in zip(xs, results, strict=True):
+        params = [
+            ag.tensor(w0.copy(), requires_grad=True),
+            ag.tensor(w1.copy(), requires_grad=True),
+        ]
+        await ((ag.tensor(x) @ params[0] @ params[1]) ** 2).mean().backward()
+        np.testing.assert_allclose(g0, params[0].grad.numpy(), rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(g1, params[1].grad.numpy(), rtol=1e-12, atol=1e-14)
+        ids.add(g0.tobytes())
+    assert len(ids) == len(xs)
+    assert p0.grad is None
+    await _assert_clean(world)
+
+
+async def test_context_ids_are_unique_across_workers(world: World) -> None:
+    async with dist_autograd.context() as a, dist_autograd.context() as b:
+        assert a != b
+        assert a >> 48 == 0  # the driver's rank
+        assert dist_autograd.current_context_id() == b
+    assert dist_autograd.current_context_id() is None
+
+
+async def test_two_backwards_in_one_context_accumulate(world: World) -> None:
+    x, w0, w1 = _array(2, 3), _array(3, 3), _array(3, 1)
+    k1 = await _place("worker1", w1)
+    p0 = ag.tensor(w0.copy(), requires_grad=True)
+    expected = await _reference(x, [w0, w1], ["linear", "loss"])
+    async with dist_autograd.context() as context_id:
+        h = (ag.tensor(x) @ p0).tanh()
+        loss = await rpc.rpc_async("worker1", dist_fns.square_loss, args=(k1, h))
+        await dist_autograd.backward(context_id, [loss], retain_graph=True)
+        once = dist_autograd.get_gradients(context_id)[p0].numpy().copy()
+        await dist_autograd.backward(context_id, [loss])
+        twice = dist_autograd.get_gradients(context_id)[p0].numpy()
+        g1 = await rpc.rpc_async("worker1", dist_fns.context_grad, args=(k1, context_id))
+    np.testing.assert_allclose(once, expected[0], rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(twice, 2 * expected[0], rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(g1, 2 * expected[1], rtol=1e-12, atol=1e-14)
+    # retain_graph=False: the saved tensors of the context's graph were freed at its exit
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        await h.sum().backward()
+    # and the graph's remote part belongs to the released context
+    async with dist_autograd.context() as other:
+        with pytest.raises(rpc.RemoteError, match="could not find autograd context") as info:
+            await dist_autograd.backward(other, [loss])
+        assert info.value.worker_name == "worker1"
+    await _assert_clean(world)
+
+
+async def test_retain_graph_keeps_the_graph_after_the_context(world: World) -> None:
+    x, w0, w1 = _array(2, 3), _array(3, 3), _array(3, 1)
+    k1 = await _place("worker1", w1)
+    p0 = ag.tensor(w0.copy(), requires_grad=True)
+    async with dist_autograd.context() as context_id:
+        h = (ag.tensor(x) @ p0).tanh()
+        loss = await rpc.rpc_async("worker1", dist_fns.square_loss, args=(k1, h))
+        await dist_autograd.backward(context_id, [loss], retain_graph=True)
+    await h.sum().backward()  # the local part still has its saved tensors
+    assert p0.grad is not None
+    await _assert_clean(world)
+
+
+async def test_only_some_sends_take_part(world: World) -> None:
+    x, w0, w1 = _array(2, 3), _array(3, 3), _array(3, 2)
+    k1 = await _place("worker1", w1)
+    p0 = ag.tensor(w0.copy(), requires_grad=True)
+    async with dist_autograd.context() as context_id:
+        h = (ag.tensor(x) @ p0).tanh()
+        unused = await rpc.rpc_async("worker1", dist_fns.linear, args=(k1, h * 3.0))
+        assert unused.requires_grad
+        loss = await rpc.rpc_async("worker1", dist_fns.square_loss, args=(k1, h))
+        await asyncio.wait_for(dist_autograd.backward(context_id, [loss]), 10)
+        got = dist_autograd.get_gradients(context_id)[p0].numpy()
+    np.testing.assert_allclose(
+        got, (await _reference(x, [w0, w1], ["linear", "loss"]))[0], rtol=1e-12
+    )
+    await _assert_clean(world)
+
+
+async def test_remote_error_surfaces_with_the_worker_name(world: World) -> None:
+    p0 = ag.tensor(_array(3), requires_grad=True)
+    async with dist_autograd.context() as context_id:
+        y = await rpc.rpc_async("worker2", dist_fns.boom, args=(p0 * 2.0,))
+        with pytest.raises(rpc.RemoteError) as info:
+            await dist_autograd.backward(context_id, [y.sum()])
+        assert info.value.worker_name == "worker2"
+        assert "boom in backward" in str(info.value)
+        assert isinstance(info.value, ValueError)
+        assert p0 not in dist_autograd.get_gradients(context_id)
+    await _assert_clean(world)
+
+
+async def test_errors_of_the_api(world: World) -> None:
+    with pytest.raises(RuntimeError, match="could not find autograd context"):
+        await dist_autograd.backward(12345, [ag.tensor(1.0, requires_grad=True)])
+    async with dist_autograd.context() as context_id:
+        with pytest.raises(RuntimeError, match="scalar"):
+            await dist_autograd.backward(context_id, [ag.ones(3, requires_grad=True) * 2])
+    with pytest.raises(ValueError, match="not an allowed optimizer"):
+        DistributedOptimizer(type("Custom", (optim.SGD,), {}), [], lr=0.1)
+
+
+async def test_orphaned_contexts_expire(world: World) -> None:
+    k1 = await _place("worker1", _array(3, 1))
+    container = container_of(world.agent("worker1"))
+    async with dist_autograd.context() as context_id:
+        x = ag.tensor(_array(2, 3), requires_grad=True)
+        await rpc.rpc_async("worker1", dist_fns.square_loss, args=(k1, x))
+        assert await rpc.rpc_async("worker1", dist_fns.has_context, args=(context_id,))
+        # Forget the context on the driver only: worker1's copy is now an orphan.
+        orphan = container_of().pop(context_id)
+        assert orphan is not None
+        orphan.release()
+        container.ttl = 0.05
+        try:
+            await asyncio.sleep(0.1)
+            async with dist_autograd.context() as other:  # new contexts sweep expired ones
+                await rpc.rpc_async("worker1", dist_fns.square_loss, args=(k1, x))
+                assert await rpc.rpc_async("worker1", dist_fns.has_context, args=(other,))
+            assert not await rpc.rpc_async("worker1", dist_fns.has_context, args=(context_id,))
+        finally:
+            container.ttl = 1800.0
+    await _assert_clean(world)
+
+
+async def test_distributed_optimizer_matches_local_training(world: World) -> None:
+    x, target_w = _array(16, 4), _array(4, 1)
+    y = x @ target_w
+    w1, w2 = _array(4, 3) * 0.5, _array(3, 1) * 0.5
+    k1, k2 = await _place("worker1", w1), await _place("worker2", w2)
+    rrefs = [
+        await rpc.rpc_async("worker1", dist_fns.param_rref, args=(k1,)),
+        await rpc.rpc_async("worker2", dist_fns.param_rref, args=(k2,)),
+    ]
+    dist_opt = DistributedOptimizer(optim.SGD, rrefs, lr=0.05, momentum=0.9)
+
+    # single process reference
+    p1, p2 = ag.tensor(w1.copy(), requires_grad=True), ag.tensor(w2.copy(), requires_grad=True)
+    local_opt = optim.SGD([p1, p2], lr=0.05, momentum=0.9)
+    local_losses = []
+    for _ in range(8):
+        local_opt.zero_grad()
+        loss = (((ag.tensor(x) @ p1).tanh() @ p2 - ag.tensor(y)) ** 2).mean()
+        await loss.backward()
+        local_opt.step()
+        local_losses.append(loss.item())
+
+    dist_losses = []
+    for _ in range(8):
+        async with dist_autograd.context() as context_id:
+            h = await rpc.rpc_async("worker1", dist_fns.linear, args=(k1, ag.tensor(x)))
+            out = await rpc.rpc_async("worker2", dist_fns.linear_out, args=(k2, h))
+            loss = ((out - ag.tensor(y)) ** 2).mean()
+            await dist_autograd.backward(context_id, [loss])
+            await dist_opt.step(context_id)
+            dist_losses.append(loss.item())
+    np.testing.assert_allclose(dist_losses, local_losses, rtol=1e-10)
+    assert dist_losses[-1] < dist_losses[0]
+    np.testing.assert_allclose(
+        await rpc.rpc_async("worker1", dist_fns.param_value, args=(k1,)),
+        p1.detach().numpy(),
+        rtol=1e-10,
+    )
+    np.testing.assert_allclose(
+        await rpc.rpc_async("worker2", dist_fns.param_value, args=(k2,)),
+        p2.detach().numpy(),
+        rtol=1e-10,
+    )
+    assert await rpc.rpc_async("worker1", dist_fns.param_grad_attr, args=(k1,)) is None
+    await _assert_clean(world)
+
+
+# ---------------------------------------------------------------------------- over grpc
+async def test_pipeline_over_grpc_processes(tmp_path: Path) -> None:
+    # a driver of its own, beside the module's local one
+    await in_fresh_context(lambda: _test_pipeline_over_grpc_processes(tmp_path))
+
+
+async def _test_pipeline_over_grpc_processes(tmp_path: Path) -> None:
+    world = await start_world("grpc", tmp_path, n_workers=2)
+    try:
+        x, w0, w1, w2 = _array(4, 5), _array(5, 6), _array(6, 3), _array(3, 2)
+        k1, k2 = await _place("worker1", w1), await _place("worker2", w2)
+        p0 = ag.tensor(w0.copy(), requires_grad=True)
+        async with dist_autograd.context() as context_id:
+            h = (ag.tensor(x) @ p0).tanh()
+            h = await rpc.rpc_async("worker1", dist_fns.linear, args=(k1, h))
+            loss = await rpc.rpc_async("worker2", dist_fns.square_loss, args=(k2, h))
+            await dist_autograd.backward(context_id, [loss])
+            got = [dist_autograd.get_gradients(context_id)[p0].numpy()]
+            for worker, key in (("worker1", k1), ("worker2", k2)):
+                got.append(
+                    await rpc.rpc_async(worker, dist_fns.context_grad, args=(key, context_id))
+                )
+        expected = await _reference(x, [w0, w1, w2], ["linear", "linear", "loss"])
+        for g, e in zip(got, expected, strict=True):
+            np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-14)
+        assert p0.grad is None
+        await _assert_clean(world)
+        assert await world.close() == {"worker1": 0, "worker2": 0}
+    finally:
+        world.kill_all()
+
+
+async def test_a_dead_worker_fails_backward_within_the_heartbeat_timeout(tmp_path: Path) -> None:
+    # a driver of its own, beside the module's local one
+    await in_fresh_context(
+        lambda: _test_a_dead_worker_fails_backward_within_the_heartbeat_timeout(tmp_path)
+    )
+
+
+async def _test_a_dead_worker_fails_backward_within_the_heartbeat_timeout(tmp_path: Path) -> None:
+    world = await start_world("grpc", tmp_path, n_workers=2, heartbeat=FAST_HEARTBEAT)
+    try:
+        k1 = await _place("worker1", _array(3, 3))
+        k2 = await _place("worker2", _array(3, 1))
+        p0 = ag.tensor(_array(3, 3), requires_grad=True)
+        async with dist_autograd.context() as context_id:
+            h = await rpc.rpc_async("worker1", dist_fns.linear, args=(k1, ag.tensor(_array(2, 3))))
+            loss = await rpc.rpc_async("worker2", dist_fns.square_loss, args=(k2, h @ p0))
+            world.procs["worker2"].kill()
+            start = asyncio.get_running_loop().time()
+            with pytest.raises(rpc.WorkerUnavailableError, match="worker2"):
+                await dist_autograd.backward(context_id, [loss])
+            assert asyncio.get_running_loop().time() - start < 10  # not the 30 s RPC timeout
+        # the release reached the live worker; the dead one is skipped (logged)
+        info = await rpc.rpc_async("worker1", dist_fns.debug_info)
+        assert info == {"num_autograd_contexts": 0, "num_current_backward_passes": 0}
+        assert dist_autograd.get_debug_info()["num_autograd_contexts"] == 0
+        for _ in range(100):  # heartbeats mark it dead; then shutdown does not wait for it
+            if "worker2" in world.driver.dead_workers:
+                break
+            await asyncio.sleep(0.05)
+        codes = await world.close()
+        assert codes["worker1"] == 0
+    finally:
+        world.kill_all()
