@@ -74,7 +74,9 @@ async def _create(
 
 
 async def _step(src: WorkerInfo, optimizer_rref: RRef[_LocalOptimizer], context_id: int) -> None:
-    optimizer_rref.local_value().step(context_id)
+    # The optimizer's own ``remote()`` creation may still be running on this owner.
+    optimizer = await optimizer_rref.to_here()
+    optimizer.step(context_id)
 
 
 INTERNAL_FUNCTIONS[CREATE] = _create

@@ -367,3 +367,15 @@ async def _test_a_dead_worker_fails_backward_within_the_heartbeat_timeout(tmp_pa
         assert codes["worker1"] == 0
     finally:
         world.kill_all()
+
+
+async def test_rref_of_own_value_passed_to_itself(world: World) -> None:
+    # An RRef a worker owns, sent in a call to that same worker, resolves to the value.
+    param = ag.tensor(_array(3), requires_grad=True)
+    optimizer = DistributedOptimizer(optim.SGD, [rpc.RRef(param)], lr=0.5)
+    async with dist_autograd.context() as context_id:
+        await dist_autograd.backward(context_id, [(param * 2).sum()])
+        before = param.detach().numpy().copy()
+        await asyncio.wait_for(optimizer.step(context_id), 10)
+    np.testing.assert_allclose(param.detach().numpy(), before - 0.5 * 2)
+    await _assert_clean(world)

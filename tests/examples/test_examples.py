@@ -49,3 +49,40 @@ def test_demo_module_runs_as_a_script() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "step   10" in result.stdout
+
+
+async def test_model_parallel_example_matches_single_process_on_local_backend() -> None:
+    from aioautograd.examples import model_parallel
+
+    losses = await model_parallel.main_local(steps=8)
+    assert losses is not None
+    assert len(losses) == 8
+    reference = await model_parallel.train_single_process(8, seed=1)
+    assert losses == pytest.approx(reference, rel=1e-12, abs=1e-12)
+    assert losses[-1] < losses[0]
+
+
+def test_model_parallel_example_over_grpc_with_the_launcher() -> None:
+    pytest.importorskip("grpc")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aioautograd.distributed.run",
+            "--nproc",
+            "2",
+            "-m",
+            "aioautograd.examples.model_parallel",
+            "--backend",
+            "grpc",
+            "--steps",
+            "6",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "grpc backend, 6 steps" in result.stdout
+    assert "largest difference from single-process training: 0.00e+00" in result.stdout

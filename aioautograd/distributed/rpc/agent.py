@@ -479,6 +479,9 @@ class RpcAgent(ABC):
                 header, RpcError(f"request from unknown worker {header.src!r}")
             )
         state: _OwnerState | None = None
+        if header.rref is not None:
+            # Known before decoding: a failure below must reach the RRef, never leave it pending.
+            state = self.rrefs.owner_state(header.rref)
         try:
             internal = self._internal.get(header.function)
             fn = internal or self._policy.resolve(header.function, self.info.name)
@@ -497,10 +500,8 @@ class RpcAgent(ABC):
             args, kwargs = payload
             if internal is not None:
                 args = [src, *args]
-            if header.rref is not None:
-                state = self.rrefs.owner_state(header.rref)
-                if src != self.info:
-                    state.users += 1
+            if state is not None and src != self.info:
+                state.users += 1
             result = await self._invoke(fn, args, kwargs)
         except asyncio.CancelledError:
             if state is not None and not state.future.done():

@@ -222,7 +222,11 @@ class RRefContext:
 
     async def register_fork(self, obj: Any, dst: WorkerInfo) -> None:
         """Before ``obj`` (if an RRef) goes to ``dst``, make its owner count ``dst`` as a user."""
-        if not isinstance(obj, RRef) or dst == obj._owner:
+        if not isinstance(obj, RRef):
+            return
+        if dst == obj._owner:
+            if obj._state is not None:  # the owner sends its own RRef to itself: resolvable
+                self.owned.setdefault(obj._rref_id, obj._state)
             return
         if obj._state is not None:
             self.owned.setdefault(obj._rref_id, obj._state).users += 1
