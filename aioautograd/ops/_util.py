@@ -26,6 +26,23 @@ def wrap(result: Any, device: Device) -> Tensor:
     return Tensor(result, device)
 
 
+def keep_where(xp: Any, mask: Any, values: Any) -> Any:
+    """``values`` where ``mask`` is true, else 0 (``xp.where(mask, values, 0)``).
+
+    ``where`` branches per element and is ~20x slower than a multiplication by the boolean
+    mask on CPU; the product is exact whenever ``values`` is finite (``inf * 0`` would be
+    NaN), which is checked first.
+    """
+    values = xp.asarray(values)
+    if (
+        values.dtype.kind in "fc"
+        and values.shape == xp.broadcast_shapes(values.shape, mask.shape)
+        and bool(xp.isfinite(values).all())
+    ):
+        return values * mask
+    return xp.where(mask, values, xp.zeros((), values.dtype))
+
+
 def binary_operands(a: Any, b: Any) -> tuple[Any, Any, Device]:
     """The arrays (or Python scalars) behind ``a`` and ``b`` and the device they share."""
     if isinstance(a, Tensor):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from aioautograd.function import FunctionCtx
-from aioautograd.ops._util import Op, binary_operands, wrap
+from aioautograd.ops._util import Op, binary_operands, keep_where, wrap
 from aioautograd.tensor import Tensor
 
 
@@ -180,7 +180,12 @@ class Where(Op):
     def forward(ctx: FunctionCtx, condition: Tensor, a: Any, b: Any) -> Tensor:
         a_data, b_data, device = binary_operands(a, b)
         ctx.condition = condition  # type: ignore[attr-defined]
-        return wrap(device.xp.where(condition.data, a_data, b_data), device)
+        xp = device.xp
+        if _is_zero(b_data) and isinstance(a, Tensor):
+            return wrap(keep_where(xp, condition.data, a_data), device)
+        if _is_zero(a_data) and isinstance(b, Tensor):
+            return wrap(keep_where(xp, xp.logical_not(condition.data), b_data), device)
+        return wrap(xp.where(condition.data, a_data, b_data), device)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor | None, Tensor | None]:
@@ -189,6 +194,10 @@ class Where(Op):
         grad_a = where(condition, grad, 0.0) if needs[1] else None
         grad_b = where(condition, 0.0, grad) if needs[2] else None
         return None, grad_a, grad_b
+
+
+def _is_zero(value: Any) -> bool:
+    return isinstance(value, (int, float)) and value == 0
 
 
 def add(a: Any, b: Any) -> Tensor:

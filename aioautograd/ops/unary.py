@@ -8,7 +8,7 @@ from typing import Any, Literal
 from aioautograd._typing import Array
 from aioautograd.devices.device import Device
 from aioautograd.function import FunctionCtx
-from aioautograd.ops._util import Op, wrap
+from aioautograd.ops._util import Op, keep_where, wrap
 from aioautograd.ops.arithmetic import where
 from aioautograd.tensor import Tensor
 
@@ -185,7 +185,8 @@ class ThresholdBackward(Op):
     @staticmethod
     def forward(ctx: FunctionCtx, grad: Tensor, out: Tensor) -> Tensor:
         ctx.save_for_backward(out)
-        return wrap(grad.xp.where(out.data <= 0, 0, grad.data), grad.device)
+        xp = grad.xp
+        return wrap(keep_where(xp, xp.logical_not(out.data <= 0), grad.data), grad.device)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:

@@ -330,3 +330,19 @@ async def test_chain_of_unary_ops_matches_torch(torch: Any) -> None:
     await out.sum().backward()
     expected.sum().backward()
     assert_close(x.grad, t.grad, rtol=1e-12)
+
+
+async def test_relu_gradient_keeps_non_finite_incoming_gradients_exact() -> None:
+    # The fast masked product must not turn inf * 0 into NaN where the mask is off.
+    x = ag.tensor([-1.0, 2.0, -3.0, 4.0], dtype="float64", requires_grad=True)
+    y = ag.relu(x)
+    await y.backward(ag.tensor([np.inf, np.inf, np.nan, 1.0], dtype="float64"))
+    assert x.grad is not None
+    np.testing.assert_array_equal(x.grad.numpy(), [0.0, np.inf, 0.0, 1.0])
+
+
+async def test_where_with_zero_branch_keeps_non_finite_values_exact() -> None:
+    cond = ag.tensor([True, False, True])
+    values = ag.tensor([np.inf, np.nan, 2.0], dtype="float64")
+    np.testing.assert_array_equal(ag.where(cond, values, 0.0).numpy(), [np.inf, 0.0, 2.0])
+    np.testing.assert_array_equal(ag.where(cond, 0.0, values).numpy(), [0.0, np.nan, 0.0])
