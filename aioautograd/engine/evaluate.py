@@ -55,10 +55,10 @@ def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTas
             outputs = called
         return _make_ready(engine, graph_task, node, outputs, executor.device)
     except BaseException as exc:
+        # Delivered to whoever awaits the graph task; the worker thread itself lives on
+        # (re-raising would kill it and shrink the executor for every other graph task).
         graph_task.set_error(exc, node, executor.device, inputs)
         graph_task.task_finished()
-        if not isinstance(exc, Exception):
-            raise
         return None
 
 

@@ -204,3 +204,25 @@ async def test_assigning_grad_of_wrong_shape() -> None:
     x = ag.randn(2, requires_grad=True)
     with pytest.raises(RuntimeError, match="different size"):
         x.grad = ag.randn(3)
+
+
+class RaisesBaseException(ag.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise SystemExit("exit from a backward")
+
+
+async def test_base_exception_in_a_node_reaches_the_caller_and_workers_survive() -> None:
+    x = ag.randn(3, requires_grad=True)
+    with pytest.raises(SystemExit, match="exit from a backward"):
+        await RaisesBaseException.apply(x).sum().backward()
+    executor = ag.get_default_engine().executor(ag.device("cpu"))
+    assert all(thread.is_alive() for thread in executor._threads)
+    results = await asyncio.gather(
+        *(((ag.randn(2, requires_grad=True)) * 2).sum().backward() for _ in range(10))
+    )
+    assert results == [None] * 10
