@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
+from aioautograd._asyncio import ensure_no_running_loop
 from aioautograd.anomaly_mode import _anomaly
 from aioautograd.autograd.node import Edge, GraphRoot, Node
 from aioautograd.devices.device import Device
@@ -180,7 +181,11 @@ class Engine:
         outputs: Sequence[Edge] | None = None,
     ) -> list[Tensor | None]:
         """Blocking twin of :meth:`execute`; refuses to run on an event loop's thread."""
-        ensure_no_running_loop("backward_sync/grad_sync")
+        ensure_no_running_loop(
+            "backward_sync/grad_sync",
+            "`await tensor.backward()` / `await aioautograd.backward(...)` / "
+            "`await aioautograd.grad(...)`",
+        )
         graph_task, first, device = self._make_graph_task(
             roots, inputs, keep_graph, create_graph, accumulate_grad, outputs, None
         )
@@ -202,18 +207,6 @@ class Engine:
             )
         with graph_task.lock:
             graph_task.final_callbacks.append(callback)
-
-
-def ensure_no_running_loop(name: str) -> None:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return
-    raise RuntimeError(
-        f"{name} called from a thread that is running an event loop: it would block the "
-        "loop. Use the coroutine instead: `await tensor.backward()` / "
-        "`await aioautograd.backward(...)` / `await aioautograd.grad(...)`."
-    )
 
 
 def get_default_engine() -> Engine:

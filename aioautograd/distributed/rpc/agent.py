@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from aioautograd._asyncio import ensure_no_running_loop, running_loop
 from aioautograd.distributed.rpc import wire
 from aioautograd.distributed.rpc.errors import (
     MalformedMessageError,
@@ -248,15 +249,7 @@ class RpcAgent(ABC):
         Raises:
             RuntimeError: when called from a thread that runs an event loop (use ``await``).
         """
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            pass
-        else:
-            raise RuntimeError(
-                "a blocking RPC call (*_sync) was made from a running event loop, which it "
-                "would stall: use the coroutine form, e.g. `await rpc.rpc_async(...)`"
-            )
+        ensure_no_running_loop("a blocking RPC call (*_sync)", "`await rpc.rpc_async(...)`")
         if self._stopped or self.loop.is_closed():
             raise RpcError(f"the RPC agent of worker {self.info.name!r} has shut down")
         return asyncio.run_coroutine_threadsafe(coroutine_function(*args), self.loop).result()
@@ -433,11 +426,7 @@ class RpcAgent(ABC):
         """Start ``fn`` on ``to`` and return an RRef to its result (see ``rpc.remote``)."""
         if self._stopped:
             raise RpcError(f"the RPC agent of worker {self.info.name!r} has shut down")
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is not self.loop:
+        if running_loop() is not self.loop:
             raise RuntimeError("rpc.remote() must be called on the RPC agent's event loop")
         dst = self.worker_info(to)
         rref_id = self.rrefs.new_id()
