@@ -34,6 +34,7 @@ from benchmarks.workloads import (
     Workload,
     aio_cross_entropy,
     aio_relu,
+    load_aio_mlp,
     mlp_data,
     register,
 )
@@ -492,13 +493,7 @@ class _AioStall(_StallCase):
         if switch_interval_s is not None:
             self.how += f", sys.setswitchinterval({switch_interval_s:g})"
         if params["graph"] == "mlp":
-            data = mlp_data(params["widths"], params["batch"])
-            self.weights = [ag.tensor(w, requires_grad=True) for w in data.weights]
-            self.biases = [ag.tensor(b, requires_grad=True) for b in data.biases]
-            self.leaves = self.weights + self.biases
-            self.inputs = ag.tensor(data.inputs)
-            self.targets = ag.tensor(data.targets)
-            self.one_hot = ag.tensor(data.one_hot)
+            self.leaves = load_aio_mlp(self, params)
             self.relu, _ = aio_relu()
             self.cross_entropy, _ = aio_cross_entropy()
         else:

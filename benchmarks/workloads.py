@@ -394,15 +394,21 @@ def aio_cross_entropy() -> tuple[Callable[[ag.Tensor, ag.Tensor, ag.Tensor], ag.
     ), "benchmark-local LogSoftmax Function + one-hot NLL"
 
 
+def load_aio_mlp(case: Any, params: Params) -> list[ag.Tensor]:
+    """Set ``weights``, ``biases``, ``inputs``, ``targets``, ``one_hot`` on ``case`` as
+    aioautograd tensors of the shared MLP data; return the leaves (weights + biases)."""
+    data = mlp_data(params["widths"], params["batch"])
+    case.weights = [ag.tensor(w, requires_grad=True) for w in data.weights]
+    case.biases = [ag.tensor(b, requires_grad=True) for b in data.biases]
+    case.inputs = ag.tensor(data.inputs)
+    case.targets = ag.tensor(data.targets)
+    case.one_hot = ag.tensor(data.one_hot)
+    return [*case.weights, *case.biases]
+
+
 class _AioMlp(Case):
     def __init__(self, params: Params) -> None:
-        data = mlp_data(params["widths"], params["batch"])
-        self.weights = [ag.tensor(w, requires_grad=True) for w in data.weights]
-        self.biases = [ag.tensor(b, requires_grad=True) for b in data.biases]
-        self.params = self.weights + self.biases
-        self.inputs = ag.tensor(data.inputs)
-        self.targets = ag.tensor(data.targets)
-        self.one_hot = ag.tensor(data.one_hot)
+        self.params = load_aio_mlp(self, params)
         self.relu, self.relu_impl = aio_relu()
         self.cross_entropy, self.loss_impl = aio_cross_entropy()
 
