@@ -110,6 +110,41 @@ async def measure(
     # and weights, so these agree across implementations (later MLP losses differ, as the
     # implementations take different numbers of SGD steps).
     values: dict[str, float] = {}
+    try:
+        await _time_all(name, cases, warmup, repeats, interleave, times, values)
+    finally:
+        for case in cases.values():  # a no-op where already closed
+            case.close()
+    return [
+        Result(
+            name=name,
+            impl=impl,
+            median_s=statistics.median(times[impl]),
+            min_s=min(times[impl]),
+            max_s=max(times[impl]),
+            repeats=repeats,
+            warmup=warmup,
+            nodes=cases[impl].nodes,
+            first_value=values[impl],
+            extras=cases[impl].extras(),
+        )
+        for impl in impls
+    ]
+
+
+async def _time_all(
+    name: str,
+    cases: dict[str, Case],
+    warmup: int,
+    repeats: int,
+    interleave: bool,
+    times: dict[str, list[float]],
+    values: dict[str, float],
+) -> None:
+    """The timing loops of ``measure``: fill ``times`` and ``values`` per implementation. In
+    blocked mode a case is closed as soon as its block ends (its worker processes, if any,
+    do not idle beside the next implementation)."""
+    impls = list(cases)
     if interleave:
         for round_index in range(warmup + repeats):
             if round_index == warmup:  # the statistics a case keeps count from here on
@@ -134,21 +169,7 @@ async def measure(
                 elapsed, value = await _time_once(name, impl, cases[impl])
                 values.setdefault(impl, value)
                 times[impl].append(elapsed)
-    return [
-        Result(
-            name=name,
-            impl=impl,
-            median_s=statistics.median(times[impl]),
-            min_s=min(times[impl]),
-            max_s=max(times[impl]),
-            repeats=repeats,
-            warmup=warmup,
-            nodes=cases[impl].nodes,
-            first_value=values[impl],
-            extras=cases[impl].extras(),
-        )
-        for impl in impls
-    ]
+            cases[impl].close()
 
 
 def blas_threads() -> int | None:
@@ -232,9 +253,9 @@ async def run_workload(
     for impl in workload.impls:
         if impls is not None and impl.name not in impls:
             continue
-        missing = impl.missing()
-        if missing:
-            _emit({"name": workload.name, "impl": impl.name, "skipped": f"missing {missing}"})
+        reason = impl.skip_reason()
+        if reason is not None:
+            _emit({"name": workload.name, "impl": impl.name, "skipped": reason})
         else:
             cases[impl.name] = impl.factory(params)
     results = await measure(workload.name, cases, warmup, repeats, interleave)

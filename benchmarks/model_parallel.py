@@ -1,114 +1,85 @@
-"""Two-worker model-parallel training step: ``grpc`` (two processes on loopback, started by
-the launcher) vs ``local`` (both workers in one process), SPEC §8.
+"""Two-worker model-parallel training step (SPEC §8): aioautograd over ``grpc`` (two
+processes on loopback, started by the launcher) and ``local`` (both workers in one process)
+vs ``torch.distributed.rpc`` + ``torch.distributed.autograd`` (two processes, TensorPipe).
 
 One step = a distributed autograd context, the forward across the split (one RPC), the
-distributed backward (gradients sent back across the split) and a ``DistributedOptimizer``
+distributed backward (gradients sent back across the split) and a distributed optimizer
 step on both owners (the model of ``aioautograd.examples.model_parallel``: 2-64 on worker 0,
-64-64-3 on worker 1, 600 points). Prints one JSON line per backend and a markdown table.
+64-64-3 on worker 1, 600 points, the same initial weights and data for all three). This is
+the ``model_parallel`` workload of ``benchmarks/run.py`` (``benchmarks/distributed.py``) with
+its own step counts. Prints one JSON line per implementation, a summary line (ratios, loss
+differences) and a markdown table.
 
-    python benchmarks/model_parallel.py [--steps N]
+    python benchmarks/model_parallel.py [--steps N] [--warmup W] [--compare-steps K]
+                                        [--impl NAME,...]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import statistics
-import subprocess
+import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _summary(backend: str, step_s: list[float], warmup: int) -> dict[str, Any]:
-    timed = step_s[warmup:]
-    return {
-        "name": "model_parallel_step",
-        "impl": backend,
-        "median_s": statistics.median(timed),
-        "min_s": min(timed),
-        "max_s": max(timed),
-        "repeats": len(timed),
-        "warmup": warmup,
-    }
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))  # so `python benchmarks/model_parallel.py` works
 
 
-def run_local(steps: int) -> list[float]:
-    from aioautograd.examples import model_parallel
-
-    captured: list[float] = []
-
-    async def main() -> None:
-        results = await asyncio.gather(
-            model_parallel.worker(0, 2, "local", steps, report_json=False),
-            model_parallel.worker(1, 2, "local", steps, report_json=False),
-        )
-        assert results[0] is not None
-
-    original = model_parallel.train_distributed
-
-    async def timed(steps_: int, seed: int) -> tuple[list[float], list[float]]:
-        losses, durations = await original(steps_, seed)
-        captured.extend(durations)
-        return losses, durations
-
-    model_parallel.train_distributed = timed  # type: ignore[assignment]
-    try:
-        asyncio.run(main())
-    finally:
-        model_parallel.train_distributed = original  # type: ignore[assignment]
-    return captured
-
-
-def run_grpc(steps: int) -> list[float]:
-    command = [
-        sys.executable,
-        "-m",
-        "aioautograd.distributed.run",
-        "--nproc",
-        "2",
-        "-m",
-        "aioautograd.examples.model_parallel",
-        "--backend",
-        "grpc",
-        "--steps",
-        str(steps),
-        "--json",
-    ]
-    output = subprocess.run(
-        command, capture_output=True, text=True, timeout=600, cwd=ROOT, check=True
-    ).stdout
-    for line in output.splitlines():
-        text = line.split("] ", 1)[-1]
-        if text.startswith("{"):
-            return list(json.loads(text)["step_s"])
-    raise RuntimeError(f"no JSON line in the launcher's output:\n{output}")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--warmup", type=int, default=20)
-    args = parser.parse_args()
-    rows = {
-        "local": _summary("local", run_local(args.steps), args.warmup),
-        "grpc": _summary("grpc", run_grpc(args.steps), args.warmup),
-    }
-    for row in rows.values():
-        print(json.dumps(row))
-    local, grpc = rows["local"]["median_s"], rows["grpc"]["median_s"]
-    print()
-    print("| figure | local (median / min) | grpc (median / min) | grpc / local |")
-    print("|---|---|---|---|")
-    print(
-        f"| two-worker model-parallel step | {local * 1e3:.2f} / "
-        f"{rows['local']['min_s'] * 1e3:.2f} ms | {grpc * 1e3:.2f} / "
-        f"{rows['grpc']['min_s'] * 1e3:.2f} ms | {grpc / local:.2f}x |"
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200, help="steps per implementation")
+    parser.add_argument("--warmup", type=int, default=20, help="first steps not timed")
+    parser.add_argument(
+        "--compare-steps",
+        type=int,
+        default=20,
+        help="first steps whose losses are compared across implementations",
     )
+    parser.add_argument(
+        "--impl",
+        action="append",
+        metavar="NAME",
+        help="aioautograd (grpc), aioautograd-local, torch (repeatable, or comma-separated)",
+    )
+    args = parser.parse_args(argv)
+    if not 0 <= args.warmup < args.steps:
+        parser.error("need 0 <= --warmup < --steps")
+    return args
+
+
+async def measure(
+    steps: int, warmup: int, compare_steps: int, impls: set[str] | None
+) -> str | None:
+    """Run the ``model_parallel`` workload with ``steps`` steps per implementation, the first
+    ``warmup`` untimed, comparing the losses of the first ``compare_steps``; prints its JSON
+    lines and returns its table."""
+    from benchmarks import harness
+    from benchmarks.workloads import REGISTRY
+
+    workload = REGISTRY["model_parallel"]
+    params = {**workload.sizes["full"], "compare_steps": compare_steps}
+    custom = dataclasses.replace(
+        workload, sizes={"custom": params}, repeats={"custom": (warmup, steps - warmup)}
+    )
+    least_warmup_s, harness.MIN_WARMUP_S = harness.MIN_WARMUP_S, 0.0  # exactly `warmup` steps
+    try:
+        _, table = await harness.run_workload(custom, "custom", impls)
+    finally:
+        harness.MIN_WARMUP_S = least_warmup_s
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    impls = {n for item in args.impl or [] for n in item.split(",") if n} or None
+    table = asyncio.run(measure(args.steps, args.warmup, args.compare_steps, impls))
+    if table is not None:
+        print()
+        print(table)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

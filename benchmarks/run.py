@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.list:
         for workload in REGISTRY.values():
-            print(f"{workload.name:12} {workload.description}")
+            print(f"{workload.name:14} {workload.description}")
         return 0
     requested = {n for item in args.only or [] for n in item.split(",") if n}
     unknown = sorted(requested - REGISTRY.keys())

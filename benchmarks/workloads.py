@@ -7,10 +7,12 @@ timed region (building the graph for backward-only figures, dropping old gradien
 ``case.run()``, a plain function or a coroutine function that returns the loss (or a checksum),
 so that every repeat can be checked for a finite result.
 
-Adding a figure (GPU, distributed) is one more ``register(Workload(...))`` call; a case may
+Adding a figure (GPU) is one more ``register(Workload(...))`` call; a case may
 also define ``extras()`` to add fields to its JSON line, and a workload a ``summary`` with a
 table of its own. The concurrent-training and event-loop-stall figures live in
-``benchmarks/concurrency.py`` and register themselves when this module is imported.
+``benchmarks/concurrency.py``, the distributed model-parallel step in
+``benchmarks/distributed.py``; both register themselves when this module is imported. A case
+that holds resources between runs (worker processes) releases them in ``close()``.
 
 torch, HIPS autograd and mygrad are imported inside their factories only, so this module loads
 with nothing but NumPy and aioautograd installed; ``Impl.needs`` names the modules an
@@ -56,6 +58,10 @@ class Case:
     def begin_timed(self) -> None:
         """Called after the warm-up runs: statistics kept for ``extras()`` start here."""
 
+    def close(self) -> None:
+        """Called after the case's last run: release what it holds (worker processes).
+        May be called again; a closed case is not run again."""
+
 
 @dataclass(frozen=True)
 class Impl:
@@ -65,9 +71,19 @@ class Impl:
     # False for a variant shown only in its workload's summary table, not as a column of
     # the main tables (e.g. sequential training with one BLAS thread).
     main_table: bool = True
+    # Optional check run when every module in ``needs`` is there: why this implementation
+    # cannot run here (e.g. a torch build without ``torch.distributed.rpc``), or ``None``.
+    unavailable: Callable[[], str | None] | None = None
 
     def missing(self) -> list[str]:
         return [name for name in self.needs if importlib.util.find_spec(name) is None]
+
+    def skip_reason(self) -> str | None:
+        """Why the harness skips this implementation here, or ``None`` if it can run."""
+        missing = self.missing()
+        if missing:
+            return f"missing {missing}"
+        return None if self.unavailable is None else self.unavailable()
 
 
 @dataclass(frozen=True)
@@ -552,6 +568,6 @@ register(
 )
 
 
-# The concurrent-training and event-loop-stall figures (registered on import, after the ones
-# above so that the registry keeps SPEC §8's order).
-from benchmarks import concurrency  # noqa: E402, F401
+# The concurrent-training, event-loop-stall and distributed figures (registered on import,
+# after the ones above so that the registry keeps SPEC §8's order).
+from benchmarks import concurrency, distributed  # noqa: E402, F401

@@ -10,7 +10,9 @@ import time
 import pytest
 
 from benchmarks import harness
+from benchmarks import model_parallel as model_parallel_script
 from benchmarks.concurrency import Heartbeat
+from benchmarks.distributed import LOCAL, torch_rpc_unavailable
 from benchmarks.harness import markdown_table, run_case
 from benchmarks.workloads import REGISTRY, SUBJECT, Impl, mlp_data
 
@@ -23,11 +25,12 @@ def _checked(name: str) -> bool:
     return any(name == base or name.startswith(f"{base}-") for base in _CHECKED)
 
 
+# `model_parallel` starts worker processes per case; test_model_parallel_workload runs it.
 _CASES = [
     pytest.param(workload, impl, id=f"{workload.name}-{impl.name}")
     for workload in REGISTRY.values()
     for impl in workload.impls
-    if _checked(impl.name)
+    if _checked(impl.name) and workload.name != "model_parallel"
 ]
 
 
@@ -110,3 +113,54 @@ async def test_heartbeat_sees_a_blocked_loop() -> None:
     end = time.perf_counter()
     await heartbeat.stop()
     assert max(heartbeat.delays_s(start, end)) >= 0.015
+
+
+def _torch_rpc_skip_reason() -> str | None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return "torch is not installed"
+    return torch_rpc_unavailable()
+
+
+@pytest.mark.timeout(90)
+async def test_model_parallel_workload(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The three worlds (aioautograd over grpc, over local, torch.distributed.rpc) run their
+    # worker processes for three steps at the tiny size: same initial weights and data, so
+    # the losses agree (aioautograd's exactly, torch's to float32 rounding).
+    pytest.importorskip("grpc")
+    monkeypatch.setattr(harness, "MIN_WARMUP_S", 0.0)
+    results, table = await harness.run_workload(REGISTRY["model_parallel"], "tiny")
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    skipped = {line["impl"]: line["skipped"] for line in lines if "skipped" in line}
+    torch_reason = _torch_rpc_skip_reason()
+    assert ("torch" in skipped) == (torch_reason is not None)
+    expected = {SUBJECT, LOCAL, "torch"} - skipped.keys()
+    assert {r.impl for r in results} == expected
+    assert all(r.repeats == 2 and r.extras["steps_run"] == 3 for r in results)
+    (summary,) = [line["summary"] for line in lines if "summary" in line]
+    gaps = summary["loss_difference"]
+    assert gaps[SUBJECT] == {"max_abs": 0.0, "steps": 3, "against": LOCAL}
+    if torch_reason is None:
+        assert gaps["torch"]["steps"] == 3
+        assert gaps["torch"]["max_abs"] <= 1e-5
+        assert summary["grpc_over_torch"] > 0
+        assert summary["local_over_torch"] > 0
+    assert table is not None
+    assert "| aioautograd-local | local | 1 |" in table
+    # Only the subject and torch are columns of the main table.
+    assert LOCAL not in markdown_table({"model_parallel": results}).splitlines()[0]
+
+
+@pytest.mark.timeout(60)
+async def test_model_parallel_script(capsys: pytest.CaptureFixture[str]) -> None:
+    # benchmarks/model_parallel.py's own step counts, on the one-process world only.
+    table = await model_parallel_script.measure(3, 1, 3, {LOCAL})
+    (line,) = [json.loads(text) for text in capsys.readouterr().out.splitlines()[:1]]
+    assert line["impl"] == LOCAL
+    assert line["repeats"] == 2
+    assert line["warmup"] == 1
+    assert table is not None
+    assert "0 (3 steps)" in table

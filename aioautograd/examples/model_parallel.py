@@ -36,6 +36,9 @@ from aioautograd.examples.data import make_spirals
 from aioautograd.nn import functional as F
 
 HIDDEN = 64
+SEED = 1  # the initial weights' seed
+LR = 0.2
+MOMENTUM = 0.9
 # Each worker's part of the model, by worker name (the local backend runs both in one
 # process, so the registry is keyed by the worker that owns the part).
 _stages: dict[str, nn.Module] = {}
@@ -47,6 +50,11 @@ def build_stages(seed: int) -> tuple[nn.Module, nn.Module]:
     first = nn.Sequential(nn.Linear(2, HIDDEN), nn.ReLU())
     second = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 3))
     return first, second
+
+
+def training_data() -> tuple[ag.Tensor, ag.Tensor]:
+    """The 600 spiral points (float32) and their labels (int64) every run trains on."""
+    return make_spirals(200, 3, seed=0)
 
 
 @rpc.register
@@ -65,11 +73,11 @@ async def stage_forward(h: ag.Tensor) -> ag.Tensor:
 
 async def train_distributed(steps: int, seed: int) -> tuple[list[float], list[float]]:
     """On worker 0: train the split model; returns every step's loss and duration (s)."""
-    x, y = make_spirals(200, 3, seed=0)
+    x, y = training_data()
     first, _ = build_stages(seed)
     remote_params = await rpc.rpc_async("worker1", create_stage, args=(seed,))
     params = [rpc.RRef(p) for p in first.parameters()] + list(remote_params)
-    optimizer = DistributedOptimizer(optim.SGD, params, lr=0.2, momentum=0.9)
+    optimizer = DistributedOptimizer(optim.SGD, params, lr=LR, momentum=MOMENTUM)
     losses, durations = [], []
     for _ in range(steps):
         start = time.perf_counter()
@@ -86,10 +94,10 @@ async def train_distributed(steps: int, seed: int) -> tuple[list[float], list[fl
 
 async def train_single_process(steps: int, seed: int) -> list[float]:
     """The same model, data and optimizer in one process (the reference)."""
-    x, y = make_spirals(200, 3, seed=0)
+    x, y = training_data()
     first, second = build_stages(seed)
     model = nn.Sequential(first, second)
-    optimizer = optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    optimizer = optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     losses = []
     for _ in range(steps):
         loss = F.cross_entropy(model(x), y)
@@ -107,12 +115,12 @@ async def worker(
     try:
         if rank != 0:
             return None
-        losses, durations = await train_distributed(steps, seed=1)
+        losses, durations = await train_distributed(steps, seed=SEED)
         elapsed = sum(durations)
-        if report_json:  # for benchmarks/model_parallel.py
+        if report_json:  # machine-readable step times and losses
             print(json.dumps({"backend": backend, "step_s": durations, "losses": losses}))
             return losses
-        reference = await train_single_process(steps, seed=1)
+        reference = await train_single_process(steps, seed=SEED)
         for step in range(0, steps, max(1, steps // 8)):
             print(
                 f"step {step:3d}  split model loss {losses[step]:.5f}  "
