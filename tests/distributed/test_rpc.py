@@ -297,6 +297,18 @@ async def test_rref_owned_by_the_caller_and_returned_rrefs(world: World) -> None
     assert to_self.local_value() == 2
 
 
+async def test_rref_sent_to_its_owner_while_its_remote_call_finishes(world: World) -> None:
+    # remote() to self, then at once a call to self carrying that RRef: the creation completes
+    # while the call's message is on its way, and the owner must still resolve the RRef.
+    for _ in range(3):
+        to_self = rpc.remote("driver", remote_fns.add, args=(2, 3))
+        assert await rpc.rpc_async("driver", remote_fns.rref_fetch, args=(to_self,)) == 5
+        kept = rpc.RRef("kept")
+        assert await rpc.rpc_async("driver", remote_fns.rref_fetch, args=(kept,)) == "kept"
+    agent = rpc.get_current_agent()
+    assert not agent.rrefs.owned  # nothing left behind once the messages were decoded
+
+
 async def test_rref_error_surfaces_on_to_here(world: World) -> None:
     rref = rpc.remote("worker2", remote_fns.fail, args=("value", "no value"))
     with pytest.raises(ValueError, match="no value") as info:

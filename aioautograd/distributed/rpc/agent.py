@@ -503,7 +503,8 @@ class RpcAgent(ABC):
         if state is not None:
             if not state.future.done():
                 state.future.set_result(result)
-            if src == self.info and state.users <= 0:  # remote() to self: the caller holds it
+            if src == self.info and state.users <= 0 and state.in_transit <= 0:
+                # remote() to self: the caller holds it (unless a message carries it here)
                 self.rrefs.owned.pop(header.rref, None)  # type: ignore[arg-type]
             result = None
         try:

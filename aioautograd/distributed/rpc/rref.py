@@ -34,13 +34,16 @@ RRefId: TypeAlias = "tuple[int, int]"  # (creator's worker id, creator's counter
 
 
 class _OwnerState:
-    """The owner's record of one value: its future and the count of remote users."""
+    """The owner's record of one value: its future, the count of remote users, and how many
+    messages carrying it to the owner itself are on their way (``owned`` must keep it until
+    they are decoded)."""
 
-    __slots__ = ("future", "users")
+    __slots__ = ("future", "in_transit", "users")
 
     def __init__(self, future: asyncio.Future[Any]) -> None:
         self.future = future
         self.users = 0
+        self.in_transit = 0
 
 
 class RRef(Generic[T]):
@@ -217,6 +220,10 @@ class RRefContext:
             state = self.owned.get(rref_id)
             if state is None:
                 raise RpcError(f"worker {owner_name!r} owns no RRef {rref_id}")
+            if state.in_transit > 0:
+                state.in_transit -= 1
+            if state.in_transit <= 0 and state.users <= 0 and state.future.done():
+                del self.owned[rref_id]  # only the sender's own reference holds it now
             return RRef._make(agent, owner, rref_id, state=state)
         return RRef._make(agent, owner, rref_id)
 
@@ -226,7 +233,7 @@ class RRefContext:
             return
         if dst == obj._owner:
             if obj._state is not None:  # the owner sends its own RRef to itself: resolvable
-                self.owned.setdefault(obj._rref_id, obj._state)
+                self.owned.setdefault(obj._rref_id, obj._state).in_transit += 1
             return
         if obj._state is not None:
             self.owned.setdefault(obj._rref_id, obj._state).users += 1
