@@ -149,6 +149,9 @@ class Function:
     _backward_cls: ClassVar[type[BackwardCFunction]]
     # Built-in ops name their nodes like PyTorch's generated ones: ``MulBackward0``.
     _node_suffix: ClassVar[str] = "Backward"
+    # Whether the backward runs only library code (built-in ops), so that the engine may
+    # run the node inline on the awaiting thread; user Functions run on the executors.
+    _inline_backward: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -157,7 +160,11 @@ class Function:
             if inspect.iscoroutinefunction(inspect.unwrap(cls.backward))
             else BackwardCFunction
         )
-        cls._backward_cls = type(cls.__name__ + cls._node_suffix, (base,), {"_forward_cls": cls})
+        cls._backward_cls = type(
+            cls.__name__ + cls._node_suffix,
+            (base,),
+            {"_forward_cls": cls, "inline": cls._inline_backward and base is BackwardCFunction},
+        )
 
     @staticmethod
     def forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:

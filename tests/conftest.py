@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -44,3 +45,16 @@ def torch() -> Any:
 def _seed() -> None:
     ag.manual_seed(0)
     np.random.seed(0)
+
+
+@pytest.fixture
+def executors_only() -> Iterator[None]:
+    """Run every node on the executors: the default engine's inline budget is 0 meanwhile
+    (by default small CPU nodes of an awaited backward run on the loop's thread)."""
+    from aioautograd.engine import get_default_engine
+
+    engine = get_default_engine()
+    saved = engine.inline_budget_s
+    engine.inline_budget_s = 0
+    yield
+    engine.inline_budget_s = saved

@@ -64,6 +64,9 @@ class Node:
     topological_nr: int
     # True for nodes whose ``apply`` is a coroutine function (awaited on the event loop).
     is_async: ClassVar[bool] = False
+    # True for nodes that run no user code (built-in ops): the engine may run them inline
+    # on the thread that awaits the backward (see engine/inline.py).
+    inline: ClassVar[bool] = False
 
     def __init__(self, next_edges: tuple[Edge, ...] = (), sequence_nr: int | None = None) -> None:
         self._set_next_edges(next_edges)
@@ -178,6 +181,7 @@ class GraphRoot(Node):
     """The node the engine starts from: it emits the root gradients along its edges."""
 
     __slots__ = ("_grads",)
+    inline = True
 
     def __init__(self, edges: tuple[Edge, ...], grads: Grads) -> None:
         super().__init__(edges, sequence_nr=_ACCUMULATE_SEQUENCE_NR)
@@ -197,6 +201,7 @@ class AccumulateGrad(Node):
     """
 
     __slots__ = ("variable",)
+    inline = True
 
     def __init__(self, variable: Tensor) -> None:
         super().__init__((), sequence_nr=_ACCUMULATE_SEQUENCE_NR)

@@ -29,14 +29,18 @@ class Engine:
 
     Each device has one executor: CPU work runs on a pool of worker threads
     (``num_cpu_threads``, default from the core count), each CUDA device on its own thread.
+    Small CPU nodes of an awaited backward run inline on the event loop's thread for at most
+    ``inline_budget_s`` seconds per backward (default 1 ms; 0 sends every node to the
+    executors), which spares a small graph two thread hand-offs (see engine/inline.py).
     Use :func:`get_default_engine` unless you need an isolated engine.
     """
 
     _default: ClassVar[Engine | None] = None
     _default_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, num_cpu_threads: int | None = None) -> None:
+    def __init__(self, num_cpu_threads: int | None = None, inline_budget_s: float = 0.001) -> None:
         self.num_cpu_threads = num_cpu_threads or _default_cpu_threads()
+        self.inline_budget_s = inline_budget_s
         self._executors: dict[Device, Executor] = {}
         self._executors_lock = threading.Lock()
 

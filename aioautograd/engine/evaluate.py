@@ -33,6 +33,20 @@ _NO_INPUTS: Grads = []
 
 def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTask | None:
     """Evaluate ``task``; return a successor to run next on this thread, if any."""
+    device = executor.device
+    ready = process_task(task, device)
+    if not ready:
+        return None
+    return engine.dispatch(ready, device)
+
+
+def process_task(task: NodeTask, device: Device) -> list[NodeTask] | None:
+    """Evaluate ``task`` on this thread and return the successor tasks it made ready.
+
+    Errors fail the graph task (delivered to whoever awaits it) and are not raised here:
+    the thread lives on (re-raising would kill a worker and shrink the executor for every
+    other graph task).
+    """
     graph_task = task.graph_task
     if graph_task.has_error:
         graph_task.task_finished()
@@ -49,15 +63,13 @@ def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTas
             outputs = _finish_outputs(graph_task, node, task.outputs, inputs)
         else:
             task.inputs = _NO_INPUTS  # the buffer is ours now; AccumulateGrad may steal from it
-            called = _call_function(graph_task, node, inputs, executor.device)
+            called = _call_function(graph_task, node, inputs, device)
             if called is None:  # handed to the event loop, or nothing to run
                 return None
             outputs = called
-        return _make_ready(engine, graph_task, node, outputs, executor.device)
+        return _make_ready(graph_task, node, outputs)
     except BaseException as exc:
-        # Delivered to whoever awaits the graph task; the worker thread itself lives on
-        # (re-raising would kill it and shrink the executor for every other graph task).
-        graph_task.set_error(exc, node, executor.device, inputs)
+        graph_task.set_error(exc, node, device, inputs)
         graph_task.task_finished()
         return None
 
@@ -187,13 +199,9 @@ def _check_nan(node: Node, outputs: Sequence[Tensor | None]) -> None:
 
 
 def _make_ready(
-    engine: Engine,
-    graph_task: GraphTask,
-    node: Node,
-    outputs: Sequence[Tensor | None],
-    device: Device,
-) -> NodeTask | None:
-    """Dependency bookkeeping: fill input buffers, collect ready successors, push them."""
+    graph_task: GraphTask, node: Node, outputs: Sequence[Tensor | None]
+) -> list[NodeTask] | None:
+    """Dependency bookkeeping: fill input buffers and return the successors made ready."""
     exec_info = graph_task.exec_info
     producer = node._stream
     ready: list[NodeTask] = []
@@ -227,6 +235,4 @@ def _make_ready(
     if done:
         graph_task.all_tasks_done()
         return None
-    if not ready:
-        return None
-    return engine.dispatch(ready, device)
+    return ready

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import contextvars
 import itertools
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -119,21 +120,34 @@ class GraphTask:
         return f"<GraphTask {self.id} depth={self.reentrant_depth}>"
 
     # ------------------------------------------------------------------ graph analysis
-    def analyse(self) -> None:
-        """Run the pending graph walks (dependencies, exec_info) before the first node."""
+    def analyse(self, max_nodes: int | None = None) -> bool:
+        """Run the pending graph walks (dependencies, exec_info) before the first node.
+
+        With ``max_nodes``, give up (leaving the walks pending) on a graph that has more
+        nodes, and return False.
+        """
         pending = self.pending_analysis
         assert pending is not None
-        self.pending_analysis = None
         root, outputs, accumulate_grad, min_topo_nr = pending
-        self.compute_dependencies(root, min_topo_nr)
+        if not self.compute_dependencies(root, min_topo_nr, max_nodes):
+            self.dependencies = {}
+            return False
+        self.pending_analysis = None
         if outputs is not None:
             self.init_to_execute(root, outputs, accumulate_grad, min_topo_nr)
+        return True
 
-    def compute_dependencies(self, root: Node, min_topo_nr: int) -> None:
-        """Count, for each node reachable from ``root``, the edges that lead into it."""
+    def compute_dependencies(
+        self, root: Node, min_topo_nr: int, max_nodes: int | None = None
+    ) -> bool:
+        """Count, for each node reachable from ``root``, the edges that lead into it.
+
+        Returns False, with the counts incomplete, once more than ``max_nodes`` are seen.
+        """
         dependencies = self.dependencies
         seen = {root}
         stack = [root]
+        limit = max_nodes if max_nodes is not None else sys.maxsize
         while stack:
             node = stack.pop()
             for next_node, _ in node._next_edges:
@@ -143,6 +157,9 @@ class GraphTask:
                 if next_node not in seen:
                     seen.add(next_node)
                     stack.append(next_node)
+                    if len(seen) > limit:
+                        return False
+        return True
 
     def init_to_execute(
         self, root: Node, outputs: Sequence[Edge], accumulate_grad: bool, min_topo_nr: int
@@ -272,16 +289,25 @@ class GraphTask:
 
     # ------------------------------------------------------------------------ running
     async def run(self, first: NodeTask, device: Device) -> list[Tensor | None]:
-        """Start on the executors, await completion, then run the post-processing."""
+        """Start (inline while cheap, see engine/inline.py, else on the executors), await
+        completion, then run the post-processing."""
         loop = self.loop
         assert loop is not None
-        self._done_future = loop.create_future()
         self.future_result = loop.create_future()
-        self._prepare_async_context()
+        context = self._prepare_async_context()
         self.outstanding_tasks = 1
-        self.engine.push(first, device)
+        budget = self.engine.inline_budget_s
+        if budget > 0 and device.type == "cpu" and self.parent is None:
+            from aioautograd.engine.inline import run_inline
+
+            completed = context.run(run_inline, self, first, budget)
+        else:
+            self._done_future = loop.create_future()
+            self.engine.push(first, device)
+            completed = False
         try:
-            await self._done_future
+            if not completed:
+                await self._done_future  # type: ignore[misc]
         except asyncio.CancelledError:
             self.set_error(asyncio.CancelledError(), None, None, None)
             self._cancel_async_nodes()
@@ -355,10 +381,16 @@ class GraphTask:
                 joined[leaf.device] = caller
         return [caller.record_event() for caller in joined.values()]
 
-    def _prepare_async_context(self) -> None:
+    def expect_completion_elsewhere(self) -> None:
+        """Make a future for the executors to resolve (before handing them a task)."""
+        if self._done_future is None and self.loop is not None:
+            self._done_future = self.loop.create_future()
+
+    def _prepare_async_context(self) -> contextvars.Context:
         context = contextvars.copy_context()
         context.run(enter_graph_task, self)
         self._async_context = context
+        return context
 
     def _check_not_ready(self) -> None:
         if self.not_ready:

@@ -17,6 +17,7 @@ class Op(Function):
     """Base of the built-in ops: their nodes are named ``<Op>Backward0`` as in PyTorch."""
 
     _node_suffix = "Backward0"
+    _inline_backward = True
 
 
 def wrap(result: Any, device: Device) -> Tensor:

@@ -31,6 +31,7 @@ def test_cross_device_ops_are_refused() -> None:
         _ = a + b
 
 
+@pytest.mark.usefixtures("executors_only")
 async def test_each_node_runs_on_the_executor_of_its_device() -> None:
     x = ag.randn(3, dtype="float64", device="sim:0", requires_grad=True)
     w = ag.randn(3, dtype="float64", requires_grad=True)  # cpu

@@ -1,0 +1,97 @@
+"""Small CPU backward passes run inline, on the thread that awaits them.
+
+Handing a graph task to an executor thread and waking the event loop when it is done costs
+two thread wake-ups (about 40 µs each on a small VM), more than a dozen small nodes take to
+run. So ``GraphTask.run`` first runs CPU nodes itself, on the event loop's thread, while they
+are cheap: nodes of built-in ops (``Node.inline``) without user hooks, whose gradients are
+small (``INLINE_MAX_ELEMENTS``), in a graph of at most ``INLINE_MAX_NODES`` nodes, within the
+engine's ``inline_budget_s``. The first node that does not qualify, or the budget running out,
+hands every task left to the executors, and the coroutine then awaits as usual. The loop is
+therefore never blocked for longer than the budget plus one small node, and a large backward
+runs on the executors from its first node.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from typing import TYPE_CHECKING
+
+import numpy
+
+from aioautograd.autograd.node import AccumulateGrad
+from aioautograd.devices.device import CPU
+from aioautograd.engine.evaluate import process_task
+from aioautograd.engine.input_buffer import buffer_device
+
+if TYPE_CHECKING:
+    from aioautograd.engine.graph_task import GraphTask
+    from aioautograd.engine.ready_queue import NodeTask
+
+# A graph with more nodes goes to the executors whole (its analysis alone would take a while).
+INLINE_MAX_NODES = 256
+# Gradient elements a node receives plus those it produces: a proxy for its cost, which keeps
+# large matrix products (and their milliseconds) off the loop.
+INLINE_MAX_ELEMENTS = 1 << 16
+
+
+def qualifies(task: NodeTask) -> bool:
+    """Whether ``task`` may run inline: library code only, CPU, no user hooks, small."""
+    node = task.node
+    if not node.inline or node._stream is not None or node._pre_hooks or node._post_hooks:
+        return False
+    tensor_hooks = node._tensor_pre_hooks
+    if tensor_hooks and any(tensor_hooks.values()):
+        return False
+    size = 0
+    for grad in task.inputs:
+        if grad is not None:
+            if grad.device.type != "cpu":
+                return False
+            size += grad.data.size
+    if type(node) is AccumulateGrad:
+        return size <= INLINE_MAX_ELEMENTS and not node.variable._post_accumulate_grad_hooks
+    for next_node, input_nr in node._next_edges:
+        if next_node is not None:
+            size += math.prod(next_node._input_metadata[input_nr][0])
+    return size <= INLINE_MAX_ELEMENTS
+
+
+def run_inline(graph_task: GraphTask, first: NodeTask, budget_s: float) -> bool:
+    """Run ``first`` and the CPU tasks it makes ready on this thread, while they qualify.
+
+    Returns True when the graph task completed here; otherwise every task left has been
+    handed to the executors (call in the graph task's context: ``enter_graph_task``).
+    """
+    engine = graph_task.engine
+    if not qualifies(first) or not graph_task.analyse(INLINE_MAX_NODES):
+        graph_task.expect_completion_elsewhere()
+        engine.push(first, buffer_device(first.inputs))
+        return False
+    deadline = time.perf_counter() + budget_s
+    heap: list[tuple[int, int, NodeTask]] = [(-first.key, 0, first)]
+    pushed = 0
+    with numpy.errstate(all="ignore"):  # as on the executors: backward formulas may make inf
+        while heap:
+            task = heap[0][2]
+            if task is not first and (time.perf_counter() > deadline or not qualifies(task)):
+                break
+            heapq.heappop(heap)
+            ready = process_task(task, CPU)
+            if not ready:
+                continue
+            for successor in ready:
+                device = buffer_device(successor.inputs)
+                if device.type == "cpu":
+                    pushed += 1
+                    heapq.heappush(heap, (-successor.key, pushed, successor))
+                else:
+                    graph_task.expect_completion_elsewhere()
+                    engine.push(successor, device)
+    if heap:
+        graph_task.expect_completion_elsewhere()
+        for _, _, task in heap:
+            engine.push(task, CPU)
+        return False
+    return graph_task.completed

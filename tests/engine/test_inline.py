@@ -1,0 +1,141 @@
+"""Small CPU backward passes run inline on the awaiting thread; the rest on the executors."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import aioautograd as ag
+from aioautograd.engine import get_default_engine
+from aioautograd.engine.graph_task import current_graph_task
+from aioautograd.engine.inline import INLINE_MAX_ELEMENTS, INLINE_MAX_NODES
+from aioautograd.profiler import profile
+from tests.helpers import assert_close
+
+
+def _threads(prof: profile) -> set[str]:
+    return {event.thread for event in prof.events}
+
+
+def _is_executor(thread: str) -> bool:
+    return thread.startswith("aioautograd-cpu")
+
+
+@pytest.fixture
+def budget() -> Iterator[None]:
+    """Let a test change the default engine's inline budget."""
+    engine = get_default_engine()
+    saved = engine.inline_budget_s
+    yield
+    engine.inline_budget_s = saved
+
+
+async def test_small_graph_runs_on_the_loop_thread() -> None:
+    x = ag.randn(8, 16, dtype="float64", requires_grad=True)
+    w = ag.randn(16, 4, dtype="float64", requires_grad=True)
+    with profile() as prof:
+        await ((x @ w).relu() * 3).sum().backward()
+    assert _threads(prof) == {threading.current_thread().name}
+    mask = (x.data @ w.data > 0) * 3.0
+    assert_close(x.grad, mask @ w.data.T)
+    assert_close(w.grad, x.data.T @ mask)
+
+
+async def test_large_nodes_run_on_the_executors() -> None:
+    side = 2 * int(INLINE_MAX_ELEMENTS**0.5)
+    x = ag.randn(side, side, requires_grad=True)
+    with profile() as prof:
+        await (x * 2).sum().backward()
+    by_name = {event.name: event.thread for event in prof.events}
+    # The sum's node is small (a scalar in, a large gradient out: too large); all go out.
+    assert all(_is_executor(thread) for thread in by_name.values()), by_name
+    assert_close(x.grad, np.full((side, side), 2.0, np.float32))
+
+
+async def test_graph_larger_than_the_limit_goes_to_the_executors() -> None:
+    x = ag.randn(3, requires_grad=True)
+    h = x
+    for _ in range(INLINE_MAX_NODES + 10):
+        h = h * 1.0
+    with profile() as prof:
+        await h.sum().backward()
+    assert all(_is_executor(thread) for thread in _threads(prof))
+    assert_close(x.grad, np.ones(3, np.float32))
+
+
+@pytest.mark.usefixtures("budget")
+async def test_spent_budget_hands_the_rest_to_the_executors() -> None:
+    get_default_engine().inline_budget_s = 1e-9  # spent once the first node ran
+    x = ag.randn(3, dtype="float64", requires_grad=True)
+    h = x
+    for i in range(50):
+        h = h * (1.0 + i / 100)
+    with profile() as prof:
+        await h.sum().backward()
+    threads = _threads(prof)
+    assert threading.current_thread().name in threads
+    assert any(_is_executor(thread) for thread in threads)
+    expected = np.prod([1.0 + i / 100 for i in range(50)])
+    assert_close(x.grad, np.full(3, expected))
+
+
+async def test_user_code_runs_on_the_executors() -> None:
+    seen: list[str] = []
+
+    class Square(ag.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[no-untyped-def]
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[no-untyped-def]
+            seen.append(threading.current_thread().name)
+            (x,) = ctx.saved_tensors
+            return 2 * x * grad
+
+    x = ag.randn(4, dtype="float64", requires_grad=True)
+    y = x * 1.5
+    y.register_hook(lambda g: seen.append(threading.current_thread().name))
+    await Square.apply(y).sum().backward()
+    assert len(seen) == 2
+    assert all(_is_executor(thread) for thread in seen), seen
+    assert_close(x.grad, 2 * 1.5 * x.data * 1.5)
+
+
+async def test_inline_backward_leaves_the_callers_context_alone() -> None:
+    x = ag.randn(3, dtype="float64", requires_grad=True)
+    (g,) = await ag.grad((x**3).sum(), [x], create_graph=True)
+    assert g.requires_grad  # the backward recorded a graph (grad mode on inside it)
+    loss = (x * 2).sum()
+    with ag.no_grad():
+        await loss.backward()
+        assert not ag.is_grad_enabled()
+    assert ag.is_grad_enabled()
+    assert current_graph_task.get() is None
+    (gg,) = await ag.grad(g.sum(), [x])
+    assert_close(gg, 6 * x.data)
+
+
+async def test_inline_error_fails_the_backward_and_the_engine_goes_on() -> None:
+    x = ag.tensor([0.0, 1.0], dtype="float64", requires_grad=True)
+    with ag.detect_anomaly(check_nan=True):
+        loss = (x.sqrt() * 0.0).sum()
+        with pytest.raises(RuntimeError, match="returned nan values"):
+            await loss.backward()
+    y = ag.tensor([4.0], dtype="float64", requires_grad=True)
+    await y.sqrt().sum().backward()
+    assert_close(y.grad, np.array([0.25]))
+
+
+async def test_inline_nodes_are_silent_on_invalid_values_like_the_executors() -> None:
+    x = ag.tensor([0.0, 4.0], dtype="float64", requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        await x.sqrt().sum().backward()
+    assert np.isinf(x.grad.data[0])
+    assert x.grad.data[1] == 0.25
