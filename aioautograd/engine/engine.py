@@ -85,6 +85,16 @@ class Engine:
         The kept task is the highest-priority one for ``device``, and only if nothing of
         higher priority already waits in this device's queue (so ordering matches a pop).
         """
+        if len(ready) == 1:  # the common case: a chain
+            task = ready[0]
+            if buffer_device(task.inputs) is not device:
+                self.push(task, buffer_device(task.inputs))
+                return None
+            top = self.executor(device).queue.top_key()
+            if top is not None and top > task.key:
+                self.push(task, device)
+                return None
+            return task
         local: NodeTask | None = None
         for task in ready:
             task_device = buffer_device(task.inputs)

@@ -61,6 +61,24 @@ def process_task(task: NodeTask, device: Device) -> list[NodeTask] | None:
             graph_task.analyse()
         if task.outputs is not None:  # an async node finished on the loop
             outputs = _finish_outputs(graph_task, node, task.outputs, inputs)
+        elif graph_task.plain and not (
+            node._stream
+            or node.is_async
+            or node._tensor_pre_hooks
+            or node._retains_grad_hooks
+            or node._pre_hooks
+            or node._post_hooks
+        ):
+            # The hot path: a CPU node without hooks in a graph task without grad() outputs,
+            # leaf hook, anomaly mode or profiler (what _call_function does, minus the checks).
+            task.inputs = _NO_INPUTS
+            with node._lock:
+                outputs = node.apply(inputs)
+            if not graph_task.keep_graph:
+                node.release_variables()
+            edges = node._next_edges
+            if edges:
+                outputs = validate_outputs(edges, outputs, node)
         else:
             task.inputs = _NO_INPUTS  # the buffer is ours now; AccumulateGrad may steal from it
             called = _call_function(graph_task, node, inputs, device)
@@ -147,7 +165,7 @@ def _finish_outputs(
         node.release_variables()
     edges = node._next_edges
     if edges:
-        outputs = validate_outputs(edges, outputs, node.name())
+        outputs = validate_outputs(edges, outputs, node)
     if node._post_hooks:
         input_tuple = tuple(inputs)
         for hook in tuple(node._post_hooks.values()):
@@ -221,14 +239,19 @@ def _make_ready(
                 del dependencies[next_node]
                 buffer = not_ready.pop(next_node, None)
                 if buffer is None:
-                    buffer = [None] * len(next_node._input_metadata)
+                    if producer is None and next_node._stream is None:  # CPU, first gradient
+                        buffer = _new_buffer(next_node)
+                        buffer[input_nr] = grad
+                        ready.append(NodeTask(graph_task, next_node, buffer))
+                        continue
+                    buffer = _new_buffer(next_node)
                 accumulate(buffer, input_nr, grad, producer, next_node._stream)
                 ready.append(NodeTask(graph_task, next_node, buffer))
             else:
                 dependencies[next_node] = count - 1
                 buffer = not_ready.get(next_node)
                 if buffer is None:
-                    buffer = not_ready[next_node] = [None] * len(next_node._input_metadata)
+                    buffer = not_ready[next_node] = _new_buffer(next_node)
                 accumulate(buffer, input_nr, grad, producer, next_node._stream)
         graph_task.outstanding_tasks += len(ready) - 1
         done = graph_task.outstanding_tasks == 0
@@ -236,3 +259,8 @@ def _make_ready(
         graph_task.all_tasks_done()
         return None
     return ready
+
+
+def _new_buffer(node: Node) -> list[Tensor | None]:
+    # A leaf's node has one input (its metadata is read live from the leaf: skip building it).
+    return [None] if type(node) is AccumulateGrad else [None] * len(node._input_metadata)

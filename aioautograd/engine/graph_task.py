@@ -96,6 +96,8 @@ class GraphTask:
         self.not_ready: dict[Node, list[Tensor | None]] = {}
         self.exec_info: dict[Node, ExecInfo] | None = None
         self.pending_analysis: tuple[Node, Sequence[Edge] | None, bool, int] | None = None
+        # No grad() outputs, leaf hook, anomaly mode or profiler: nodes take the hot path.
+        self.plain = False
         self.captured_vars: list[Tensor | None] = []
         self.has_error = False
         self.error: BaseException | None = None
@@ -135,6 +137,12 @@ class GraphTask:
         self.pending_analysis = None
         if outputs is not None:
             self.init_to_execute(root, outputs, accumulate_grad, min_topo_nr)
+        self.plain = (
+            self.exec_info is None
+            and self.leaf_hook is None
+            and not self.anomaly.enabled
+            and self.profiler is None
+        )
         return True
 
     def compute_dependencies(

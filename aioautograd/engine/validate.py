@@ -14,7 +14,7 @@ from aioautograd.tensor import Tensor
 
 if TYPE_CHECKING:
     from aioautograd._typing import Shape
-    from aioautograd.autograd.node import Edge
+    from aioautograd.autograd.node import Edge, Node
 
 
 def is_expandable_to(shape: Shape, desired: Shape) -> bool:
@@ -31,16 +31,17 @@ def is_expandable_to(shape: Shape, desired: Shape) -> bool:
 
 
 def validate_outputs(
-    edges: Sequence[Edge], grads: Sequence[Tensor | None], node_name: str
+    edges: Sequence[Edge], grads: Sequence[Tensor | None], producer: Node | str
 ) -> list[Tensor | None]:
     """Return ``grads`` checked against the input metadata of the nodes they flow into.
 
     Shapes that broadcast to the expected shape are reduced with ``sum_to_size``; floating
-    dtypes are cast; anything else raises ``RuntimeError`` naming the node and the index.
+    dtypes are cast; anything else raises ``RuntimeError`` naming the node (``producer``, or
+    what to call it) and the index.
     """
     if len(grads) != len(edges):
         raise RuntimeError(
-            f"invalid number of gradients returned by {node_name} - expected "
+            f"invalid number of gradients returned by {_name(producer)} - expected "
             f"{len(edges)}, but got {len(grads)}"
         )
     result: list[Tensor | None] = list(grads)
@@ -50,7 +51,7 @@ def validate_outputs(
             continue
         if not isinstance(grad, Tensor):
             raise TypeError(
-                f"Function {node_name} returned an invalid gradient at index {i} - expected "
+                f"Function {_name(producer)} returned an invalid gradient at index {i} - expected "
                 f"a Tensor or None, got {type(grad).__name__}"
             )
         shape, dtype, device = next_node._input_metadata[input_nr]
@@ -58,24 +59,29 @@ def validate_outputs(
         if data.shape != shape:
             if not is_expandable_to(shape, data.shape):
                 raise RuntimeError(
-                    f"Function {node_name} returned an invalid gradient at index {i} - got "
+                    f"Function {_name(producer)} returned an invalid gradient at index {i} - got "
                     f"{list(data.shape)} but expected shape compatible with {list(shape)}"
                 )
             grad = reduction.sum_to_size(grad, shape)
         if grad.device is not device:
             raise RuntimeError(
-                f"Function {node_name} returned an invalid gradient at index {i} - expected "
+                f"Function {_name(producer)} returned an invalid gradient at index {i} - expected "
                 f"device {device} but got {grad.device}"
             )
         if grad.data.dtype != dtype:
             if grad.data.dtype.kind not in "fc":
                 raise RuntimeError(
-                    f"Function {node_name} returned an invalid gradient at index {i} - expected "
-                    f"a floating point gradient of dtype {dtype} but got {grad.data.dtype}"
+                    f"Function {_name(producer)} returned an invalid gradient at index {i} - "
+                    f"expected a floating point gradient of dtype {dtype} but got "
+                    f"{grad.data.dtype}"
                 )
             grad = grad.to(dtype)
         result[i] = grad
     return result
+
+
+def _name(producer: Node | str) -> str:
+    return producer if isinstance(producer, str) else producer.name()
 
 
 from aioautograd.ops import reduction  # noqa: E402

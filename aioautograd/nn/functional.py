@@ -286,6 +286,17 @@ class CrossEntropy(Op):
         input, target, saved_log_probs = ctx.saved_tensors
         setup: _CrossEntropySetup = ctx.setup
         dim = setup.class_dim
+        needs = ctx.needs_input_grad
+        if setup.class_indices and needs[0] and not is_grad_enabled():
+            # Nothing to record (a plain backward): the formula below on the arrays.
+            xp, g = input.xp, grad.data
+            if setup.reduction == "none":
+                g = xp.expand_dims(g, dim)
+            elif setup.reduction == "mean":
+                g = g / ctx.denominator
+            q, total = _class_index_distribution(input, target, setup)
+            probs = xp.exp(saved_log_probs.data)
+            return wrap((probs * total.data - q.data) * g, input.device), None, None
         # Under create_graph the gradient must depend on the input differentiably.
         log_probs = input.log_softmax(dim) if is_grad_enabled() else saved_log_probs
         if setup.reduction == "none":
@@ -293,7 +304,6 @@ class CrossEntropy(Op):
         elif setup.reduction == "mean":
             grad = grad / ctx.denominator
         weight = setup.broadcast_weight(input)
-        needs = ctx.needs_input_grad
         grad_input = grad_target = None
         if needs[0]:
             if setup.class_indices:

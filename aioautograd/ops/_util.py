@@ -37,7 +37,10 @@ def keep_where(xp: Any, mask: Any, values: Any) -> Any:
     values = xp.asarray(values)
     if (
         values.dtype.kind in "fc"
-        and values.shape == xp.broadcast_shapes(values.shape, mask.shape)
+        and (
+            values.shape == mask.shape
+            or values.shape == xp.broadcast_shapes(values.shape, mask.shape)
+        )
         and bool(xp.isfinite(values).all())
     ):
         return values * mask

@@ -2,7 +2,8 @@
 
 Backward formulas return gradients at the broadcast shape; ``validate_outputs`` sums them
 down to each input's shape. Every formula is written with tensor ops, so it is itself
-differentiable (``create_graph=True``).
+differentiable (``create_graph=True``); the hottest ones (``*`` here, ``@``, ReLU, cross
+entropy) compute on the arrays directly when grad mode is off, the plain backward's case.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from aioautograd.function import FunctionCtx
+from aioautograd.grad_mode import _grad_enabled
 from aioautograd.ops._util import Op, binary_operands, keep_where, wrap
 from aioautograd.tensor import Tensor
 
@@ -56,6 +58,12 @@ class Mul(Op):
         a, b = ctx.saved_tensors
         scalar_a, scalar_b = ctx.scalars
         needs = ctx.needs_input_grad
+        if not _grad_enabled.get():  # nothing to record: the same products on the arrays
+            g, device = grad.data, grad.device
+            return (
+                wrap(g * (b.data if b is not None else scalar_b), device) if needs[0] else None,
+                wrap(g * (a.data if a is not None else scalar_a), device) if needs[1] else None,
+            )
         grad_a = grad * (b if b is not None else scalar_b) if needs[0] else None
         grad_b = grad * (a if a is not None else scalar_a) if needs[1] else None
         return grad_a, grad_b

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from aioautograd._typing import Array
 from aioautograd.devices.device import Device
 from aioautograd.function import FunctionCtx
+from aioautograd.grad_mode import _grad_enabled
 from aioautograd.ops._util import Op, keep_where, wrap
 from aioautograd.ops.arithmetic import where
 from aioautograd.tensor import Tensor
@@ -174,7 +175,11 @@ class Relu(Op):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return ThresholdBackward.apply(grad, ctx.saved_tensors[0])  # type: ignore[no-any-return]
+        out = ctx.saved_tensors[0]
+        if not _grad_enabled.get():  # nothing to record: ThresholdBackward's forward, inline
+            xp = grad.xp
+            return wrap(keep_where(xp, xp.logical_not(out.data <= 0), grad.data), grad.device)
+        return ThresholdBackward.apply(grad, out)  # type: ignore[no-any-return]
 
 
 class ThresholdBackward(Op):
