@@ -66,6 +66,15 @@ class BackwardCFunction(Node, FunctionCtx):
             raise second_backward_error()
         return tuple(None if s is None else s.unpack(self) for s in saved)
 
+    @property
+    def saved_arrays(self) -> tuple[Any, ...]:
+        """The arrays of the saved tensors (``None`` for ``None``), version-checked: for the
+        backward formulas that compute on arrays when nothing is recorded."""
+        saved = self._saved
+        if saved is None:
+            raise second_backward_error()
+        return tuple([None if s is None else s.unpack_data(self) for s in saved])
+
     def apply(self, grads: Grads) -> Sequence[Tensor | None]:
         if self.materialize_grads:
             for i, grad in enumerate(grads):
@@ -89,7 +98,7 @@ class BackwardCFunction(Node, FunctionCtx):
                     f"{len(saved)} is of type {type(tensor).__name__}"
                 )
             else:
-                is_output = any(tensor is out for out in outputs)
+                is_output = tensor is outputs[0] or any(tensor is out for out in outputs[1:])
                 saved.append(SavedTensor(tensor, is_output))
         self._saved = tuple(saved)
         self.to_save = ()
@@ -188,6 +197,9 @@ class Function:
         return outputs
 
 
+_NO_EDGE: Edge = (None, 0)
+
+
 def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     node = cls._backward_cls.__new__(cls._backward_cls)
     edges: list[Edge] = []
@@ -198,10 +210,15 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
             if device is None:
                 device = arg.device
             if arg._requires_grad:
-                edges.append(arg._gradient_edge())
+                grad_fn = arg.grad_fn
+                edges.append(
+                    (grad_fn, arg._output_nr)
+                    if grad_fn is not None
+                    else (arg._get_grad_accumulator(), 0)
+                )
                 needs.append(True)
                 continue
-        edges.append((None, 0))
+        edges.append(_NO_EDGE)
         needs.append(False)
     Node.__init__(node, tuple(edges))
     if device is not None and device.backend.has_streams:
@@ -214,24 +231,23 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
     finally:
         _grad_enabled.reset(token)
 
-    is_tuple = isinstance(raw, tuple)
-    outputs = raw if is_tuple else (raw,)
+    outputs = raw if isinstance(raw, tuple) else (raw,)
     dirty = node.dirty_tensors
     non_diff = node.non_differentiable
+    metadata = node._input_metadata
     for output_nr, out in enumerate(outputs):
         if not isinstance(out, Tensor):
             continue
         if dirty and any(out is d for d in dirty):
             check_inplace(out)
             out._bump_version()
-        differentiable = out.data.dtype.kind in "fc" and not any(out is n for n in non_diff)
-        node._input_metadata.append((out.data.shape, out.data.dtype, out.device))
-        if differentiable:
+        data = out.data
+        metadata.append((data.shape, data.dtype, out.device))
+        if data.dtype.kind in "fc" and not (non_diff and any(out is n for n in non_diff)):
             out.grad_fn = node
             out._output_nr = output_nr
             out._requires_grad = True
-    mode = _anomaly.get()
-    if mode.enabled:
+    if _anomaly.get().enabled:
         node.metadata["traceback_"] = traceback.format_stack()[:-2]
         parent = current_node.get()
         if parent is not None:

@@ -69,7 +69,12 @@ class Node:
     inline: ClassVar[bool] = False
 
     def __init__(self, next_edges: tuple[Edge, ...] = (), sequence_nr: int | None = None) -> None:
-        self._set_next_edges(next_edges)
+        self._next_edges = next_edges
+        topo = 0
+        for next_node, _ in next_edges:
+            if next_node is not None and next_node.topological_nr >= topo:
+                topo = next_node.topological_nr + 1
+        self.topological_nr = topo
         self.sequence_nr = next(_sequence_nr) if sequence_nr is None else sequence_nr
         self._input_metadata: list[InputMetadata] = []
         self._pre_hooks: HookDict | None = None
@@ -81,14 +86,6 @@ class Node:
         self._stream: Stream | None = None
         # The engine holds it while applying the node: never two graph tasks at once.
         self._lock = threading.Lock()
-
-    def _set_next_edges(self, next_edges: tuple[Edge, ...]) -> None:
-        self._next_edges = next_edges
-        topo = 0
-        for next_node, _ in next_edges:
-            if next_node is not None and next_node.topological_nr >= topo:
-                topo = next_node.topological_nr + 1
-        self.topological_nr = topo
 
     # --------------------------------------------------------------------- public API
     def name(self) -> str:

@@ -8,7 +8,7 @@ node, so double backward through saved outputs works.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aioautograd.tensor import Tensor, VersionCounter
 
@@ -59,6 +59,12 @@ class SavedTensor:
         out.grad_fn = node
         out._output_nr = self._output_nr
         return out
+
+    def unpack_data(self, node: Node) -> Any:
+        """The saved array itself (version-checked), for formulas that record nothing."""
+        if self._counter.value != self._saved_version:
+            raise RuntimeError(self._modified_message(node))
+        return self._tensor.data
 
     def _modified_message(self, node: Node) -> str:
         tensor = self._tensor

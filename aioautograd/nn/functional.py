@@ -273,6 +273,7 @@ class CrossEntropy(Op):
         if ctx.needs_input_grad:
             ctx.save_for_backward(input, target, Tensor(log_probs, input.device))
             ctx.setup, ctx.denominator = setup, denominator
+            ctx.saved_device = input.device
         if setup.reduction == "none":
             return wrap(losses, input.device)
         total = losses.sum()
@@ -283,20 +284,18 @@ class CrossEntropy(Op):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
-        input, target, saved_log_probs = ctx.saved_tensors
         setup: _CrossEntropySetup = ctx.setup
         dim = setup.class_dim
         needs = ctx.needs_input_grad
         if setup.class_indices and needs[0] and not is_grad_enabled():
             # Nothing to record (a plain backward): the formula below on the arrays.
-            xp, g = input.xp, grad.data
+            xp, g = grad.xp, grad.data
             if setup.reduction == "none":
                 g = xp.expand_dims(g, dim)
             elif setup.reduction == "mean":
                 g = g / ctx.denominator
-            q, total = _class_index_distribution(input, target, setup)
-            probs = xp.exp(saved_log_probs.data)
-            return wrap((probs * total.data - q.data) * g, input.device), None, None
+            return _class_index_grad(ctx, xp, g, setup), None, None
+        input, target, saved_log_probs = ctx.saved_tensors
         # Under create_graph the gradient must depend on the input differentiably.
         log_probs = input.log_softmax(dim) if is_grad_enabled() else saved_log_probs
         if setup.reduction == "none":
@@ -321,6 +320,26 @@ class CrossEntropy(Op):
             scale = -(1.0 - setup.label_smoothing)
             grad_target = log_probs * (scale if weight is None else weight * scale) * grad
         return grad_input, grad_target, None
+
+
+def _class_index_grad(ctx: Any, xp: Any, g: Any, setup: _CrossEntropySetup) -> Tensor:
+    """``(softmax(x) * sum_c q - q) * g`` for class-index targets, on the arrays."""
+    input_data, target, log_probs = ctx.saved_arrays
+    probs = xp.exp(log_probs)
+    if setup.weight is None and not setup.label_smoothing and probs.ndim == 2:
+        # q is the one-hot of the target (zero on ignored rows): subtract it in place.
+        rows = xp.arange(target.shape[0])
+        valid = target != setup.ignore_index
+        if bool(valid.all()):
+            probs[rows, target] -= 1
+        else:
+            probs *= xp.expand_dims(valid, 1)
+            probs[rows[valid], target[valid]] -= 1
+        probs *= g
+        return wrap(probs, ctx.saved_device)
+    device = ctx.saved_device
+    q, total = _class_index_distribution(Tensor(input_data, device), Tensor(target, device), setup)
+    return wrap((probs * total.data - q.data) * g, device)
 
 
 def _target_weights(

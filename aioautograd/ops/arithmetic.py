@@ -55,15 +55,16 @@ class Mul(Op):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
-        a, b = ctx.saved_tensors
         scalar_a, scalar_b = ctx.scalars
         needs = ctx.needs_input_grad
         if not _grad_enabled.get():  # nothing to record: the same products on the arrays
+            a, b = ctx.saved_arrays
             g, device = grad.data, grad.device
             return (
-                wrap(g * (b.data if b is not None else scalar_b), device) if needs[0] else None,
-                wrap(g * (a.data if a is not None else scalar_a), device) if needs[1] else None,
+                wrap(g * (b if b is not None else scalar_b), device) if needs[0] else None,
+                wrap(g * (a if a is not None else scalar_a), device) if needs[1] else None,
             )
+        a, b = ctx.saved_tensors
         grad_a = grad * (b if b is not None else scalar_b) if needs[0] else None
         grad_b = grad * (a if a is not None else scalar_a) if needs[1] else None
         return grad_a, grad_b

@@ -22,16 +22,17 @@ class MatMul(Op):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
-        a, b = ctx.saved_tensors
         a_ndim, b_ndim = ctx.ndims
         needs = ctx.needs_input_grad
         if a_ndim > 1 and b_ndim > 1 and not _grad_enabled.get():
             # Nothing to record: the two products on the arrays (a plain backward's case).
+            a_data, b_data = ctx.saved_arrays
             xp, g, device = grad.xp, grad.data, grad.device
             return (
-                wrap(xp.matmul(g, xp.swapaxes(b.data, -1, -2)), device) if needs[0] else None,
-                wrap(xp.matmul(xp.swapaxes(a.data, -1, -2), g), device) if needs[1] else None,
+                wrap(xp.matmul(g, xp.swapaxes(b_data, -1, -2)), device) if needs[0] else None,
+                wrap(xp.matmul(xp.swapaxes(a_data, -1, -2), g), device) if needs[1] else None,
             )
+        a, b = ctx.saved_tensors
         if a_ndim == 1 and b_ndim == 1:  # dot product: grad is 0-d
             return (grad * b if needs[0] else None, grad * a if needs[1] else None)
         # Promote 1-D operands to matrices (a row, b a column) so one formula covers every

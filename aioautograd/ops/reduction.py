@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from aioautograd._typing import Array, Shape
+from aioautograd.grad_mode import _grad_enabled
 from aioautograd.ops._util import Op, wrap
 from aioautograd.ops.arithmetic import maximum, minimum, where
 from aioautograd.ops.unary import exp
@@ -38,8 +39,16 @@ def normalize_dims(dim: Dims, ndim: int) -> tuple[int, ...]:
 
 def _expand_back(grad: Tensor, shape: Shape, dims: tuple[int, ...], keepdim: bool) -> Tensor:
     """Broadcast a reduced gradient back to ``shape`` (re-inserting reduced axes)."""
-    if not keepdim and shape:
-        grad = grad.reshape(tuple(1 if i in dims else s for i, s in enumerate(shape)))
+    reinsert = not keepdim and shape
+    if reinsert:
+        kept = tuple(1 if i in dims else s for i, s in enumerate(shape))
+    if not _grad_enabled.get():
+        # Nothing to record: fill a new array (one AccumulateGrad may keep as it is).
+        out = grad.xp.empty(shape, grad.data.dtype)
+        out[...] = grad.data.reshape(kept) if reinsert else grad.data
+        return wrap(out, grad.device)
+    if reinsert:
+        grad = grad.reshape(kept)
     return grad.expand(shape)
 
 

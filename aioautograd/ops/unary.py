@@ -175,11 +175,11 @@ class Relu(Op):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        out = ctx.saved_tensors[0]
         if not _grad_enabled.get():  # nothing to record: ThresholdBackward's forward, inline
             xp = grad.xp
-            return wrap(keep_where(xp, xp.logical_not(out.data <= 0), grad.data), grad.device)
-        return ThresholdBackward.apply(grad, out)  # type: ignore[no-any-return]
+            out_data = ctx.saved_arrays[0]
+            return wrap(keep_where(xp, xp.logical_not(out_data <= 0), grad.data), grad.device)
+        return ThresholdBackward.apply(grad, ctx.saved_tensors[0])  # type: ignore[no-any-return]
 
 
 class ThresholdBackward(Op):
