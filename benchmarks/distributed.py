@@ -1,7 +1,7 @@
 """The SPEC §8 distributed figure, ``model_parallel``: one training step of
 ``aioautograd.examples.model_parallel`` (2-64 on worker 0, 64-64-3 on worker 1, 600 spiral
 points; a distributed autograd context, the forward across the split, the distributed
-backward and a distributed optimizer step on both owners) on three worlds of two workers:
+backward and a distributed optimizer step on both owners) on worlds of two workers:
 
 - ``aioautograd``: the ``grpc`` backend, two processes on loopback started by
   ``python -m aioautograd.distributed.run`` (the figure's subject: two processes, as torch);
@@ -9,13 +9,18 @@ backward and a distributed optimizer step on both owners) on three worlds of two
   this workload's own table only);
 - ``torch``: ``torch.distributed.rpc`` (TensorPipe) + ``torch.distributed.autograd`` +
   ``torch.distributed.optim.DistributedOptimizer``, two processes on loopback, with the same
-  initial weights and data (the example's float32 NumPy arrays, converted).
+  initial weights and data (the example's float32 NumPy arrays, converted);
+- ``torch-uv``: the same with TensorPipe limited to its TCP (``uv``) transport (a variant).
+  By default TensorPipe uses shared memory between processes of one host, and its reactor
+  threads then busy-poll: each torch process keeps about one core busy, between steps too.
 
 The workers run ``benchmarks/model_parallel_workers.py``. Each case starts its processes at
 its first run (untimed) and stops them in ``close()``; every run sends one ``step`` command to
 rank 0 over a loopback socket, and the time recorded is the one rank 0 measured around the
-step itself (so neither the command's round trip nor the driver is timed). Registered into
-``benchmarks.workloads.REGISTRY`` when that module is imported.
+step itself (so neither the command's round trip nor the driver is timed). Besides the
+step times, a case reports the CPU time its world's processes used over the timed steps
+(read from ``/proc`` on Linux): per step, and as the average number of cores kept busy.
+Registered into ``benchmarks.workloads.REGISTRY`` when that module is imported.
 """
 
 from __future__ import annotations
@@ -41,7 +46,6 @@ SETUP_TIMEOUT_S = 120.0  # processes started, RPC world up, model and optimizer 
 STEP_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 LOCAL = f"{SUBJECT}-local"
-BACKENDS = {SUBJECT: "grpc", LOCAL: "local", "torch": "torch"}  # implementation -> backend
 
 
 def torch_rpc_unavailable() -> str | None:
@@ -74,6 +78,21 @@ def _commands(backend: str, control_port: int) -> list[tuple[list[str], dict[str
         return [(launcher + worker[1:], {})]
     master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
     return [(worker, {**master, "RANK": str(rank)}) for rank in range(2)]
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (Linux ``/proc``; the launcher's workers for ``grpc``)."""
+    pids = [pid]
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            pids += _process_tree(int(child))
+    return pids
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Workers:
@@ -143,6 +162,14 @@ class Workers:
         self.close()
         return RuntimeError(f"model_parallel/{self.backend}: {what}\n" + "\n".join(tails))
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time used so far by the world's processes (``None`` where ``/proc`` cannot
+        tell, e.g. not on Linux)."""
+        try:
+            return sum(_cpu_seconds(pid) for proc in self.procs for pid in _process_tree(proc.pid))
+        except (OSError, ValueError, IndexError):
+            return None
+
     def step(self) -> tuple[float, float]:
         """One training step on rank 0: (seconds it measured, loss)."""
         assert self.conn is not None
@@ -186,6 +213,25 @@ class ModelParallelCase(Case):
         self.setup_s: float | None = None
         self.exit_codes: list[int | None] = []
         self.losses: list[float] = []
+        self.timing = False  # the timed steps have begun
+        self.usage_start: tuple[float, float, int] | None = None
+        self.usage: dict[str, float] = {}
+
+    def _usage_now(self) -> tuple[float, float, int] | None:
+        """(CPU seconds of the world, wall clock, steps run), or ``None``."""
+        cpu = None if self.workers is None else self.workers.cpu_seconds()
+        return None if cpu is None else (cpu, time.perf_counter(), len(self.losses))
+
+    def begin_timed(self) -> None:
+        self.timing = True
+        self.usage_start = self._usage_now()
+
+    def _end_usage(self) -> None:
+        end = self._usage_now()
+        if self.usage_start is None or end is None or end[2] == self.usage_start[2]:
+            return
+        cpu, wall, steps = (b - a for a, b in zip(self.usage_start, end, strict=True))
+        self.usage = {"cpu_s_per_step": cpu / steps, "cores_busy": cpu / wall}
 
     def run(self) -> float:
         if self.closed:
@@ -193,6 +239,8 @@ class ModelParallelCase(Case):
         if self.workers is None:
             self.workers = Workers(self.backend)
             self.setup_s = self.workers.setup_s
+            if self.timing:  # no warm-up: count from the first step
+                self.usage_start = self._usage_now()
         self.timed_s, loss = self.workers.step()
         self.losses.append(loss)
         return loss
@@ -203,6 +251,7 @@ class ModelParallelCase(Case):
         self.closed = True
         if self.workers is None:
             return
+        self._end_usage()
         workers, self.workers = self.workers, None
         self.exit_codes = workers.close()
         if not workers.failed and any(code != 0 for code in self.exit_codes):
@@ -214,6 +263,8 @@ class ModelParallelCase(Case):
             "processes": 1 if self.backend == "local" else 2,
             "setup_s": None if self.setup_s is None else round(self.setup_s, 3),
             "steps_run": len(self.losses),
+            "cpu_s_per_step": self.usage.get("cpu_s_per_step"),
+            "cores_busy": self.usage.get("cores_busy"),
             "first_losses": self.losses[: self.compare_steps],
         }
 
@@ -236,13 +287,20 @@ def _format_ratio(ratio: float | None) -> str:
     return "—" if ratio is None else f"{ratio:.2f}x"
 
 
+def _format_optional(value: float | None, scale: float, pattern: str) -> str:
+    return "—" if value is None else pattern.format(value * scale)
+
+
 def model_parallel_summary(lines: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], str]:
-    """Ratios (grpc / torch, local / torch, grpc / local) on medians and minima, and each
-    implementation's largest loss difference from ``local`` over the first steps."""
+    """Ratios (grpc and local over torch and torch-uv, grpc over local) on medians and
+    minima, and each implementation's largest loss difference from ``local`` over the first
+    steps; the table adds the CPU time each world used."""
     summary: dict[str, Any] = {}
     for label, top, bottom in (
         ("grpc_over_torch", SUBJECT, "torch"),
         ("local_over_torch", LOCAL, "torch"),
+        ("grpc_over_torch_uv", SUBJECT, "torch-uv"),
+        ("local_over_torch_uv", LOCAL, "torch-uv"),
         ("grpc_over_local", SUBJECT, LOCAL),
     ):
         for stat, suffix in (("median_s", ""), ("min_s", "_of_minima")):
@@ -258,8 +316,8 @@ def model_parallel_summary(lines: dict[str, dict[str, Any]]) -> tuple[dict[str, 
         summary["loss_difference"] = differences
     rows = [
         "| implementation | backend | processes | step median | step min | / torch (median) "
-        "| / torch (min) | max \\|loss - local\\| (first steps) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| / torch (min) | CPU per step | cores busy | max \\|loss - local\\| (first steps) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, line in lines.items():
         difference = differences.get(name)
@@ -271,6 +329,8 @@ def model_parallel_summary(lines: dict[str, dict[str, Any]]) -> tuple[dict[str, 
             f"{line['min_s'] * 1e3:.2f} ms",
             _format_ratio(_ratio(lines, name, "torch", "median_s")),
             _format_ratio(_ratio(lines, name, "torch", "min_s")),
+            _format_optional(line.get("cpu_s_per_step"), 1e3, "{:.2f} ms"),
+            _format_optional(line.get("cores_busy"), 1.0, "{:.2f}"),
             "—"
             if difference is None
             else f"{difference['max_abs']:.2g} ({difference['steps']} steps)",
@@ -309,6 +369,13 @@ register(
             Impl(SUBJECT, _case("grpc"), ("grpc",)),
             Impl(LOCAL, _case("local"), main_table=False),
             Impl("torch", _case("torch"), ("torch",), unavailable=torch_rpc_unavailable),
+            Impl(
+                "torch-uv",
+                _case("torch-uv"),
+                ("torch",),
+                main_table=False,
+                unavailable=torch_rpc_unavailable,
+            ),
         ),
         summary=model_parallel_summary,
     )

@@ -1,17 +1,18 @@
 """Two-worker model-parallel training step (SPEC §8): aioautograd over ``grpc`` (two
 processes on loopback, started by the launcher) and ``local`` (both workers in one process)
-vs ``torch.distributed.rpc`` + ``torch.distributed.autograd`` (two processes, TensorPipe).
+vs ``torch.distributed.rpc`` + ``torch.distributed.autograd`` (two processes, TensorPipe
+with its default transports, and ``torch-uv``: with its TCP transport only).
 
 One step = a distributed autograd context, the forward across the split (one RPC), the
 distributed backward (gradients sent back across the split) and a distributed optimizer
 step on both owners (the model of ``aioautograd.examples.model_parallel``: 2-64 on worker 0,
-64-64-3 on worker 1, 600 points, the same initial weights and data for all three). This is
+64-64-3 on worker 1, 600 points, the same initial weights and data for all). This is
 the ``model_parallel`` workload of ``benchmarks/run.py`` (``benchmarks/distributed.py``) with
 its own step counts. Prints one JSON line per implementation, a summary line (ratios, loss
 differences) and a markdown table.
 
     python benchmarks/model_parallel.py [--steps N] [--warmup W] [--compare-steps K]
-                                        [--impl NAME,...]
+                                        [--threads T] [--impl NAME,...]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -38,10 +40,17 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="first steps whose losses are compared across implementations",
     )
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="BLAS and torch intra-op threads of the worker processes (default: as is)",
+    )
+    parser.add_argument(
         "--impl",
         action="append",
         metavar="NAME",
-        help="aioautograd (grpc), aioautograd-local, torch (repeatable, or comma-separated)",
+        help="aioautograd (grpc), aioautograd-local, torch, torch-uv (repeatable, or "
+        "comma-separated)",
     )
     args = parser.parse_args(argv)
     if not 0 <= args.warmup < args.steps:
@@ -73,6 +82,9 @@ async def measure(
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.threads is not None:  # inherited by the worker processes
+        for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[name] = str(args.threads)
     impls = {n for item in args.impl or [] for n in item.split(",") if n} or None
     table = asyncio.run(measure(args.steps, args.warmup, args.compare_steps, impls))
     if table is not None:

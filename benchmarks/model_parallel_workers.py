@@ -6,9 +6,13 @@ worker 1, 600 spiral points, SGD with momentum through a distributed optimizer),
 - ``--backend local``: both aioautograd workers in this one process;
 - ``--backend grpc``: one aioautograd worker per process, started by
   ``python -m aioautograd.distributed.run --nproc 2 -m benchmarks.model_parallel_workers``;
-- ``--backend torch``: one ``torch.distributed.rpc`` worker per process (TensorPipe, rank 0's
-  address from ``MASTER_ADDR``/``MASTER_PORT``), with the same initial weights and data
-  converted from the example's NumPy arrays.
+- ``--backend torch``: one ``torch.distributed.rpc`` worker per process (TensorPipe with its
+  default transports, rank 0's address from ``MASTER_ADDR``/``MASTER_PORT``), with the same
+  initial weights and data converted from the example's NumPy arrays;
+- ``--backend torch-uv``: the same with TensorPipe limited to its ``uv`` transport (TCP over
+  loopback, as gRPC). By default TensorPipe picks its shared-memory transport between two
+  processes of one host, whose reactor threads busy-poll: about one core per process, even
+  between steps.
 
 Rank 0 connects to the driver on ``127.0.0.1:--control``, sends ``{"ready": ...}`` once the
 model and the optimizer exist, then runs one step per ``step`` line it receives and answers
@@ -186,18 +190,27 @@ class TorchStepper:
         return duration, loss.item()
 
 
-def _serve_torch(control_port: int) -> None:
+def _serve_torch(backend: str, control_port: int) -> None:
     """Rank 0: set up, then answer the driver's commands until ``quit``."""
     stepper = TorchStepper()
     stepper.setup()
     with socket.create_connection(("127.0.0.1", control_port)) as conn:
         commands = conn.makefile("rb")
-        conn.sendall(ready_line("torch"))
+        conn.sendall(ready_line(backend))
         while commands.readline().strip() == b"step":
             conn.sendall(step_line(*stepper.step()))
 
 
-def _torch_worker(rank: int, control_port: int) -> None:
+def torch_backend_options(backend: str) -> Any:
+    """TensorPipe's options for ``backend`` (``torch``: its defaults; ``torch-uv``: its TCP
+    transport only); rank 0's address from ``MASTER_ADDR``/``MASTER_PORT``."""
+    from torch.distributed import rpc as torch_rpc
+
+    transports = {"_transports": ["uv"]} if backend == "torch-uv" else {}
+    return torch_rpc.TensorPipeRpcBackendOptions(init_method="env://", **transports)
+
+
+def _torch_worker(backend: str, rank: int, control_port: int) -> None:
     from torch.distributed import rpc as torch_rpc
 
     torch_rpc.init_rpc(
@@ -205,11 +218,11 @@ def _torch_worker(rank: int, control_port: int) -> None:
         backend=torch_rpc.BackendType.TENSORPIPE,
         rank=rank,
         world_size=2,
-        rpc_backend_options=torch_rpc.TensorPipeRpcBackendOptions(init_method="env://"),
+        rpc_backend_options=torch_backend_options(backend),
     )
     try:
         if rank == 0:
-            _serve_torch(control_port)
+            _serve_torch(backend, control_port)
     finally:
         torch_rpc.shutdown()
 
@@ -219,7 +232,7 @@ def _torch_worker(rank: int, control_port: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=("local", "grpc", "torch"), required=True)
+    parser.add_argument("--backend", choices=("local", "grpc", "torch", "torch-uv"), required=True)
     parser.add_argument("--control", type=int, required=True, help="the driver's port")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -229,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         world_size = int(os.environ["WORLD_SIZE"])
         asyncio.run(_aio_worker("grpc", rank, world_size, args.control))
     else:
-        _torch_worker(rank, args.control)
+        _torch_worker(args.backend, rank, args.control)
 
 
 if __name__ == "__main__":
