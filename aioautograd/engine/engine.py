@@ -29,16 +29,18 @@ class Engine:
 
     Each device has one executor: CPU work runs on a pool of worker threads
     (``num_cpu_threads``, default from the core count), each CUDA device on its own thread.
-    Small CPU nodes of an awaited backward run inline on the event loop's thread for at most
-    ``inline_budget_s`` seconds per backward (default 1 ms; 0 sends every node to the
-    executors), which spares a small graph two thread hand-offs (see engine/inline.py).
+    By default the event loop does no tensor math: it starts graph tasks, runs ``async``
+    nodes and completes futures. ``inline_budget_s > 0`` opts into running the small CPU
+    nodes of an awaited backward inline on the loop's thread, for at most that long per
+    backward (see engine/inline.py): a tiny graph then skips the two thread hand-offs (about
+    90 µs on a small VM), at the price of the loop doing that bounded work itself.
     Use :func:`get_default_engine` unless you need an isolated engine.
     """
 
     _default: ClassVar[Engine | None] = None
     _default_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, num_cpu_threads: int | None = None, inline_budget_s: float = 0.001) -> None:
+    def __init__(self, num_cpu_threads: int | None = None, inline_budget_s: float = 0.0) -> None:
         self.num_cpu_threads = num_cpu_threads or _default_cpu_threads()
         self.inline_budget_s = inline_budget_s
         self._executors: dict[Device, Executor] = {}
@@ -71,8 +73,8 @@ class Engine:
     def executors(self) -> dict[Device, Executor]:
         return dict(self._executors)
 
-    def push(self, task: NodeTask, device: Device) -> None:
-        self.executor(device).push(task)
+    def push(self, task: NodeTask, device: Device, wake: bool = True) -> None:
+        self.executor(device).push(task, wake)
 
     def push_continuation(self, task: NodeTask) -> None:
         """Hand the outputs of an async node back to an executor for bookkeeping."""
@@ -84,6 +86,10 @@ class Engine:
 
         The kept task is the highest-priority one for ``device``, and only if nothing of
         higher priority already waits in this device's queue (so ordering matches a pop).
+        Tasks for ``device`` itself wake no other thread: as PyTorch runs a graph task's CPU
+        work on one thread, this one pops them when it is done (a graph of small nodes spread
+        over two threads mostly trades the GIL back and forth); threads already awake, or
+        woken for another graph task, take them too.
         """
         if len(ready) == 1:  # the common case: a chain
             task = ready[0]
@@ -92,7 +98,7 @@ class Engine:
                 return None
             top = self.executor(device).queue.top_key()
             if top is not None and top > task.key:
-                self.push(task, device)
+                self.push(task, device, wake=False)
                 return None
             return task
         local: NodeTask | None = None
@@ -100,15 +106,17 @@ class Engine:
             task_device = buffer_device(task.inputs)
             if task_device is device and (local is None or task.key > local.key):
                 if local is not None:
-                    self.push(local, device)
+                    self.push(local, device, wake=False)
                 local = task
+            elif task_device is device:
+                self.push(task, device, wake=False)
             else:
                 self.push(task, task_device)
         if local is not None:
             queue = self.executor(device).queue
             top = queue.top_key()
             if top is not None and top > local.key:
-                self.push(local, device)
+                self.push(local, device, wake=False)
                 return None
         return local
 

@@ -55,10 +55,10 @@ class Executor:
         self._busy_lock = threading.Lock()
         self.busy = 0  # threads currently running a task (for observability and tests)
 
-    def push(self, task: NodeTask) -> None:
+    def push(self, task: NodeTask, wake: bool = True) -> None:
         if len(self._threads) < self.num_threads:
             self._start()
-        self.queue.push(task)
+        self.queue.push(task, wake)
 
     def _start(self) -> None:
         with self._start_lock:

@@ -78,11 +78,13 @@ class ReadyQueue:
         self._waiters: deque[queue.SimpleQueue[None]] = deque()
         self._tiebreak = itertools.count()
 
-    def push(self, task: NodeTask) -> None:
+    def push(self, task: NodeTask, wake: bool = True) -> None:
+        """Queue ``task``; ``wake=False`` leaves sleeping threads asleep (the pushing thread
+        serves this queue and will pop it itself)."""
         item = (-task.key, next(self._tiebreak), task)
         with self._lock:
             heapq.heappush(self._heap, item)
-            channel = self._waiters.popleft() if self._waiters else None
+            channel = self._waiters.popleft() if wake and self._waiters else None
         if channel is not None:
             channel.put(None)
 

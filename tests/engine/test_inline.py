@@ -1,4 +1,5 @@
-"""Small CPU backward passes run inline on the awaiting thread; the rest on the executors."""
+"""Opt-in inline execution: small CPU backward passes run on the awaiting thread, the rest on
+the executors; by default every node runs on an executor."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 import aioautograd as ag
-from aioautograd.engine import get_default_engine
+from aioautograd.engine import Engine, get_default_engine
 from aioautograd.engine.graph_task import current_graph_task
 from aioautograd.engine.inline import INLINE_MAX_ELEMENTS, INLINE_MAX_NODES
 from aioautograd.profiler import profile
@@ -25,13 +26,25 @@ def _is_executor(thread: str) -> bool:
     return thread.startswith("aioautograd-cpu")
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def budget() -> Iterator[None]:
-    """Let a test change the default engine's inline budget."""
+    """Inline execution on (1 ms, as documented); a test may change it."""
     engine = get_default_engine()
     saved = engine.inline_budget_s
+    engine.inline_budget_s = 0.001
     yield
     engine.inline_budget_s = saved
+
+
+async def test_by_default_the_loop_does_no_tensor_math() -> None:
+    assert Engine().inline_budget_s == 0
+    engine = get_default_engine()
+    engine.inline_budget_s = 0
+    x = ag.randn(4, 3, dtype="float64", requires_grad=True)
+    with profile() as prof:
+        await (x * 2).sum().backward()
+    assert all(_is_executor(thread) for thread in _threads(prof))
+    assert_close(x.grad, np.full((4, 3), 2.0))
 
 
 async def test_small_graph_runs_on_the_loop_thread() -> None:
@@ -67,7 +80,6 @@ async def test_graph_larger_than_the_limit_goes_to_the_executors() -> None:
     assert_close(x.grad, np.ones(3, np.float32))
 
 
-@pytest.mark.usefixtures("budget")
 async def test_spent_budget_hands_the_rest_to_the_executors() -> None:
     get_default_engine().inline_budget_s = 1e-9  # spent once the first node ran
     x = ag.randn(3, dtype="float64", requires_grad=True)
