@@ -34,20 +34,13 @@ from benchmarks.workloads import (
     Workload,
     aio_cross_entropy,
     aio_relu,
+    format_seconds,
     load_aio_mlp,
     mlp_data,
     register,
 )
 
 # --------------------------------------------------------------------------------- helpers
-
-
-def _format_s(seconds: float) -> str:
-    if seconds >= 1.0:
-        return f"{seconds:.3g} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds * 1e6:.3g} µs"
 
 
 def _format_ms(ms: float) -> str:
@@ -294,7 +287,7 @@ def _concurrent_summary(lines: dict[str, dict[str, Any]]) -> tuple[dict[str, Any
         ratio = f"{lines[seq]['median_s'] / line['median_s']:.2f}x" if seq else "—"
         rows.append(
             f"| {name} | {line['schedule']} | {threads if threads is not None else '?'} "
-            f"| {_format_s(line['median_s'])} | {_format_s(line['min_s'])} | {ratio} |"
+            f"| {format_seconds(line['median_s'])} | {format_seconds(line['min_s'])} | {ratio} |"
         )
     if seq and conc:
         rows.append("")
@@ -582,13 +575,19 @@ class _TorchStall(_StallCase):
 
 
 class _NumpyStall(_StallCase):
-    """The hand-written NumPy backward, inline in the coroutine (blocks the loop)."""
+    """The hand-written NumPy backward, inline in the coroutine (blocks the loop), or in
+    ``asyncio.to_thread`` (``offload``: the floor for a backward off the loop on the same
+    OpenBLAS, with no engine at all)."""
 
-    how = "hand-written NumPy backward inline in the coroutine (blocks the loop)"
-
-    def __init__(self, params: Params) -> None:
+    def __init__(self, params: Params, offload: bool = False) -> None:
         super().__init__(params)
         self.params = params
+        self.offload = offload
+        self.how = (
+            "hand-written NumPy backward in asyncio.to_thread (no engine)"
+            if offload
+            else "hand-written NumPy backward inline in the coroutine (blocks the loop)"
+        )
         if params["graph"] == "mlp":
             self.data = mlp_data(params["widths"], params["batch"])
             self.rows = np.arange(params["batch"])
@@ -612,6 +611,11 @@ class _NumpyStall(_StallCase):
         self.probs = probs
 
     async def backward(self) -> float:
+        if self.offload:
+            return await asyncio.to_thread(self._backward)
+        return self._backward()
+
+    def _backward(self) -> float:
         if self.params["graph"] != "mlp":
             grad = np.ones(4, np.float32)
             for _ in range(self.params["n"]):
@@ -672,7 +676,7 @@ def _stall_summary(lines: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], st
     ]
     for name, line in lines.items():
         rows.append(
-            f"| {name} | {line['backward']} | {_format_s(line['median_s'])} "
+            f"| {name} | {line['backward']} | {format_seconds(line['median_s'])} "
             f"| {_format_ms(line['tick_max_ms'])} | {_format_ms(line['tick_p99_ms'])} "
             f"| {_format_ms(line['tick_p50_ms'])} | {_format_ms(line['run_max_median_ms'])} "
             f"| {line['ticks']} | {line['gc2_in_window']}"
@@ -690,6 +694,11 @@ _STALL_IMPLS = (
         "torch-to_thread",
         lambda params: _TorchStall(params, offload=True),
         ("torch",),
+        main_table=False,
+    ),
+    Impl(
+        "numpy-to_thread",
+        lambda params: _NumpyStall(params, offload=True),
         main_table=False,
     ),
     Impl("idle", _IdleStall, main_table=False),

@@ -533,11 +533,65 @@ class _NumpyMlp(Case):
         return {"relu": "np.maximum", "loss": "hand-written softmax cross-entropy"}
 
 
+class _AioMlpInline(_AioMlp):
+    """The subject with the engine's opt-in inline execution (``inline_budget_s``, 1 ms):
+    small CPU nodes run on the loop's thread instead of an executor."""
+
+    def __init__(self, params: Params) -> None:
+        super().__init__(params)
+        self.engine = ag.engine.get_default_engine()
+        self.saved_budget = self.engine.inline_budget_s
+        self.engine.inline_budget_s = INLINE_BUDGET_S
+
+    def close(self) -> None:
+        self.engine.inline_budget_s = self.saved_budget
+
+
+INLINE_BUDGET_S = 0.001
+
 _MLP_IMPLS = (
     Impl("aioautograd", _AioMlp),
     Impl("torch", _TorchMlp, ("torch",)),
     Impl("numpy", _NumpyMlp),
+    Impl(f"{SUBJECT}-inline", _AioMlpInline, main_table=False),
 )
+
+
+def _mlp_summary(lines: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], str]:
+    """Every implementation of an MLP step (variants included) with its ratio to torch."""
+    torch_line = lines.get("torch")
+    summary: dict[str, Any] = {}
+    rows = [
+        "| implementation | median | min | / torch (median) | / torch (min) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, line in lines.items():
+        ratios = (
+            (line["median_s"] / torch_line["median_s"], line["min_s"] / torch_line["min_s"])
+            if torch_line
+            else None
+        )
+        summary[name] = {
+            "median_s": line["median_s"],
+            "min_s": line["min_s"],
+            "vs_torch_median": None if ratios is None else round(ratios[0], 3),
+        }
+        shown = ("—", "—") if ratios is None else (f"{ratios[0]:.2f}x", f"{ratios[1]:.2f}x")
+        rows.append(
+            f"| {name} | {format_seconds(line['median_s'])} | {format_seconds(line['min_s'])} "
+            f"| {shown[0]} | {shown[1]} |"
+        )
+    return summary, "\n".join(rows)
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration with three significant digits, in s, ms or µs."""
+    if seconds >= 1.0:
+        return f"{seconds:.3g} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} µs"
+
 
 register(
     Workload(
@@ -550,6 +604,7 @@ register(
         },
         repeats={"full": (5, 40), "quick": (2, 8), "tiny": (0, 1)},
         impls=_MLP_IMPLS,
+        summary=_mlp_summary,
     )
 )
 
@@ -564,6 +619,7 @@ register(
         },
         repeats={"full": (100, 1000), "quick": (20, 100), "tiny": (0, 1)},
         impls=_MLP_IMPLS,
+        summary=_mlp_summary,
     )
 )
 
