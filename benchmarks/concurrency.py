@@ -467,14 +467,16 @@ class _StallCase(Case):
 
 
 class _AioStall(_StallCase):
-    """``await loss.backward()``; optionally with NumPy's BLAS limited to ``blas_threads`` or
-    the interpreter's GIL switch interval set to ``switch_interval_s`` during the backward."""
+    """``await loss.backward()``; optionally with NumPy's BLAS limited to ``blas_threads``,
+    the interpreter's GIL switch interval set to ``switch_interval_s`` during the backward, or
+    on an engine of its own whose CPU workers run at ``worker_nice`` (the default engine's: 10)."""
 
     def __init__(
         self,
         params: Params,
         blas_threads: int | None = None,
         switch_interval_s: float | None = None,
+        worker_nice: int | None = None,
     ) -> None:
         super().__init__(params)
         self.params = params
@@ -485,6 +487,10 @@ class _AioStall(_StallCase):
             self.how += f", NumPy BLAS limited to {blas_threads} thread(s)"
         if switch_interval_s is not None:
             self.how += f", sys.setswitchinterval({switch_interval_s:g})"
+        self.engine: ag.engine.Engine | None = None
+        if worker_nice is not None:
+            self.how += f", CPU workers at nice +{worker_nice}"
+            self.engine = ag.engine.Engine(worker_nice=worker_nice)
         if params["graph"] == "mlp":
             self.leaves = load_aio_mlp(self, params)
             self.relu, _ = aio_relu()
@@ -516,9 +522,27 @@ class _AioStall(_StallCase):
         return h.sum()
 
     async def backward(self) -> float:
-        with _blas_limit(self.blas_threads), _switch_interval(self.switch_interval_s):
+        with (
+            _blas_limit(self.blas_threads),
+            _switch_interval(self.switch_interval_s),
+            _default_engine(self.engine),
+        ):
             await self.loss.backward()
         return float(self.leaves[0].grad.numpy().sum())
+
+
+@contextmanager
+def _default_engine(engine: ag.engine.Engine | None) -> Iterator[None]:
+    """Make ``engine`` (if given) the one ``backward`` uses, meanwhile."""
+    if engine is None:
+        yield
+        return
+    saved = ag.engine.Engine._default
+    ag.engine.Engine._default = engine
+    try:
+        yield
+    finally:
+        ag.engine.Engine._default = saved
 
 
 class _TorchStall(_StallCase):
@@ -706,6 +730,11 @@ _STALL_IMPLS = (
 # The MLP's backward is BLAS-bound: with one BLAS thread, a core stays free for the loop.
 _STALL_MLP_IMPLS = (
     *_STALL_IMPLS[:3],
+    Impl(
+        f"{SUBJECT}-nice0",
+        lambda params: _AioStall(params, worker_nice=0),
+        main_table=False,
+    ),
     Impl(
         f"{SUBJECT}-1blas",
         lambda params: _AioStall(params, blas_threads=1),

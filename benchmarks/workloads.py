@@ -537,14 +537,14 @@ class _AioMlpInline(_AioMlp):
     """The subject with the engine's opt-in inline execution (``inline_budget_s``, 1 ms):
     small CPU nodes run on the loop's thread instead of an executor."""
 
-    def __init__(self, params: Params) -> None:
-        super().__init__(params)
-        self.engine = ag.engine.get_default_engine()
-        self.saved_budget = self.engine.inline_budget_s
-        self.engine.inline_budget_s = INLINE_BUDGET_S
-
-    def close(self) -> None:
-        self.engine.inline_budget_s = self.saved_budget
+    async def run(self) -> float:
+        engine = ag.engine.get_default_engine()
+        saved = engine.inline_budget_s
+        engine.inline_budget_s = INLINE_BUDGET_S
+        try:
+            return await super().run()
+        finally:
+            engine.inline_budget_s = saved
 
 
 INLINE_BUDGET_S = 0.001

@@ -34,15 +34,24 @@ class Engine:
     nodes of an awaited backward inline on the loop's thread, for at most that long per
     backward (see engine/inline.py): a tiny graph then skips the two thread hand-offs (about
     90 µs on a small VM), at the price of the loop doing that bounded work itself.
+    On Linux the CPU workers run ``worker_nice`` (default 10) below the process's priority,
+    so that the event loop's thread gets a core as soon as it wakes while a backward keeps
+    every core busy (0 leaves them at the process's priority).
     Use :func:`get_default_engine` unless you need an isolated engine.
     """
 
     _default: ClassVar[Engine | None] = None
     _default_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, num_cpu_threads: int | None = None, inline_budget_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        num_cpu_threads: int | None = None,
+        inline_budget_s: float = 0.0,
+        worker_nice: int = 10,
+    ) -> None:
         self.num_cpu_threads = num_cpu_threads or _default_cpu_threads()
         self.inline_budget_s = inline_budget_s
+        self.worker_nice = worker_nice
         self._executors: dict[Device, Executor] = {}
         self._executors_lock = threading.Lock()
 

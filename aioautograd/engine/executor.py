@@ -13,6 +13,9 @@ driven by a fresh thread instead, so depth is bounded by neither deadlock nor st
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import threading
 from typing import TYPE_CHECKING
 
@@ -74,6 +77,8 @@ class Executor:
     def _thread_main(self) -> None:
         worker_state.executor = self
         worker_state.depth = 0
+        if self.device.type == "cpu":
+            lower_priority(self.engine.worker_nice)
         # Backward formulas evaluate masked-out branches (pow at 0, log of a clamped value):
         # like PyTorch, produce inf/nan silently instead of NumPy warnings on this thread.
         numpy.seterr(all="ignore")
@@ -121,6 +126,8 @@ class Executor:
         def main() -> None:
             worker_state.executor = self
             worker_state.depth = 0
+            if self.device.type == "cpu":
+                lower_priority(self.engine.worker_nice)
             self.drive(graph_task)
 
         thread = threading.Thread(
@@ -129,3 +136,17 @@ class Executor:
         thread.start()
         graph_task.wait_completed()
         thread.join()
+
+
+def lower_priority(nice: int) -> None:
+    """Raise the calling thread's nice value by ``nice`` (Linux, where it is per thread).
+
+    CPU workers run below the event loop's thread: when the loop's thread wakes while a
+    backward keeps every core busy (the worker plus BLAS's own threads), the scheduler gives
+    it a core at once instead of after a time slice.
+    """
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):  # e.g. a sandbox that forbids it: stay as we are
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))

@@ -4,13 +4,17 @@ reentrant nodes."""
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
 
 import aioautograd as ag
+from aioautograd.engine import Engine
 from aioautograd.engine.executor import MAX_DEPTH
 from tests.helpers import assert_close
 
@@ -294,3 +298,27 @@ async def test_concurrent_reentrant_graph_tasks_do_not_deadlock() -> None:
     )
     for x in xs:
         assert_close(x.grad, 2 * x.data)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+@pytest.mark.parametrize("nice", [0, 10])
+async def test_cpu_workers_run_below_the_loops_priority(nice: int) -> None:
+    seen: list[int] = []
+
+    class Probe(ag.Function):
+        @staticmethod
+        def forward(ctx: Any, x: ag.Tensor) -> ag.Tensor:
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx: Any, grad: ag.Tensor) -> ag.Tensor:
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            return grad
+
+    engine = Engine(num_cpu_threads=1, worker_nice=nice)
+    x = ag.randn(3, requires_grad=True)
+    loss = Probe.apply(x).sum()
+    await engine.execute([(loss.grad_fn, 0)], [ag.ones(())], False, False, True)
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen == [min(19, base + nice)]
+    assert_close(x.grad, np.ones(3, np.float32))
