@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 import aioautograd as ag
-from benchmarks.workloads import SUBJECT, Case, Workload
+from benchmarks.workloads import SUBJECT, Case, Workload, format_seconds
 
 # Table columns: the two baselines SPEC §8 names first, then the optional libraries.
 BASELINE_ORDER = ("torch", "numpy", "autograd", "mygrad")
@@ -303,14 +303,6 @@ async def run_all(
         print()
         print(table)
     sys.stdout.flush()
-
-
-def format_seconds(seconds: float) -> str:
-    if seconds >= 1.0:
-        return f"{seconds:.3g} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds * 1e6:.3g} µs"
 
 
 def markdown_table(results: dict[str, list[Result]], stat: str = "median_s") -> str:
