@@ -7,7 +7,7 @@ timed region (building the graph for backward-only figures, dropping old gradien
 ``case.run()``, a plain function or a coroutine function that returns the loss (or a checksum),
 so that every repeat can be checked for a finite result.
 
-Adding a figure (GPU) is one more ``register(Workload(...))`` call; a case may
+Adding a figure is one more ``register(Workload(...))`` call; a case may
 also define ``extras()`` to add fields to its JSON line, and a workload a ``summary`` with a
 table of its own. The concurrent-training and event-loop-stall figures live in
 ``benchmarks/concurrency.py``, the distributed model-parallel step in
@@ -410,21 +410,24 @@ def aio_cross_entropy() -> tuple[Callable[[ag.Tensor, ag.Tensor, ag.Tensor], ag.
     ), "benchmark-local LogSoftmax Function + one-hot NLL"
 
 
-def load_aio_mlp(case: Any, params: Params) -> list[ag.Tensor]:
+def load_aio_mlp(case: Any, params: Params, device: str = "cpu") -> list[ag.Tensor]:
     """Set ``weights``, ``biases``, ``inputs``, ``targets``, ``one_hot`` on ``case`` as
-    aioautograd tensors of the shared MLP data; return the leaves (weights + biases)."""
+    aioautograd tensors of the shared MLP data on ``device``; return the leaves (weights +
+    biases)."""
     data = mlp_data(params["widths"], params["batch"])
-    case.weights = [ag.tensor(w, requires_grad=True) for w in data.weights]
-    case.biases = [ag.tensor(b, requires_grad=True) for b in data.biases]
-    case.inputs = ag.tensor(data.inputs)
-    case.targets = ag.tensor(data.targets)
-    case.one_hot = ag.tensor(data.one_hot)
+    case.weights = [ag.tensor(w, device=device, requires_grad=True) for w in data.weights]
+    case.biases = [ag.tensor(b, device=device, requires_grad=True) for b in data.biases]
+    case.inputs = ag.tensor(data.inputs, device=device)
+    case.targets = ag.tensor(data.targets, device=device)
+    case.one_hot = ag.tensor(data.one_hot, device=device)
     return [*case.weights, *case.biases]
 
 
 class _AioMlp(Case):
-    def __init__(self, params: Params) -> None:
-        self.params = load_aio_mlp(self, params)
+    """The step on ``device`` (``loss.item()`` at its end waits for an accelerator)."""
+
+    def __init__(self, params: Params, device: str = "cpu") -> None:
+        self.params = load_aio_mlp(self, params, device)
         self.relu, self.relu_impl = aio_relu()
         self.cross_entropy, self.loss_impl = aio_cross_entropy()
 
@@ -448,17 +451,19 @@ class _AioMlp(Case):
 
 
 class _TorchMlp(Case):
-    def __init__(self, params: Params) -> None:
+    """torch's step on ``device`` (``loss.item()`` at its end waits for CUDA)."""
+
+    def __init__(self, params: Params, device: str = "cpu") -> None:
         import torch
 
         self.functional = torch.nn.functional
         self.no_grad = torch.no_grad
         data = mlp_data(params["widths"], params["batch"])
-        self.weights = [torch.tensor(w, requires_grad=True) for w in data.weights]
-        self.biases = [torch.tensor(b, requires_grad=True) for b in data.biases]
+        self.weights = [torch.tensor(w, device=device, requires_grad=True) for w in data.weights]
+        self.biases = [torch.tensor(b, device=device, requires_grad=True) for b in data.biases]
         self.params = self.weights + self.biases
-        self.inputs = torch.tensor(data.inputs)
-        self.targets = torch.tensor(data.targets)
+        self.inputs = torch.tensor(data.inputs, device=device)
+        self.targets = torch.tensor(data.targets, device=device)
 
     def run(self) -> float:
         functional = self.functional
@@ -619,6 +624,38 @@ register(
         },
         repeats={"full": (100, 1000), "quick": (20, 100), "tiny": (0, 1)},
         impls=_MLP_IMPLS,
+        summary=_mlp_summary,
+    )
+)
+
+
+def _no_cupy_gpu() -> str | None:
+    from aioautograd.devices import cuda
+
+    return None if cuda.is_available() else "CuPy sees no GPU"
+
+
+def _no_torch_gpu() -> str | None:
+    import torch
+
+    return None if torch.cuda.is_available() else "this torch build sees no GPU"
+
+
+# SPEC §8's GPU figure: the MLP step on CuPy against torch on CUDA (skipped without a GPU).
+register(
+    Workload(
+        name="gpu_mlp",
+        description="the mlp step on cuda:0: aioautograd on CuPy vs torch CUDA",
+        sizes={
+            "full": {"widths": [784, 1024, 1024, 10], "batch": 256},
+            "quick": {"widths": [784, 1024, 1024, 10], "batch": 256},
+            "tiny": {"widths": [12, 16, 16, 10], "batch": 4},
+        },
+        repeats={"full": (10, 100), "quick": (3, 20), "tiny": (0, 1)},
+        impls=(
+            Impl(SUBJECT, lambda p: _AioMlp(p, "cuda:0"), ("cupy",), unavailable=_no_cupy_gpu),
+            Impl("torch", lambda p: _TorchMlp(p, "cuda"), ("torch",), unavailable=_no_torch_gpu),
+        ),
         summary=_mlp_summary,
     )
 )
