@@ -17,6 +17,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import numpy
@@ -30,6 +31,11 @@ if TYPE_CHECKING:
     from aioautograd.engine.ready_queue import NodeTask
 
 MAX_DEPTH = 60
+# A worker running small nodes back to back sleeps GIL_PAUSE_S after holding the GIL for
+# about GIL_HOLD_S (checked every 32 nodes), so that the event loop waits about that long
+# at most instead of CPython's 5 ms switch interval.
+GIL_HOLD_S = 0.002
+GIL_PAUSE_S = 0.00002
 
 
 class _WorkerState(threading.local):
@@ -40,6 +46,8 @@ class _WorkerState(threading.local):
 
     executor: Executor | None = None
     depth: int = 0
+    evaluated: int = 0  # nodes this thread has evaluated
+    pause_at: float = 0.0  # when it next lets other threads take the GIL
 
 
 worker_state = _WorkerState()
@@ -82,11 +90,18 @@ class Executor:
         # Backward formulas evaluate masked-out branches (pow at 0, log of a clamped value):
         # like PyTorch, produce inf/nan silently instead of NumPy warnings on this thread.
         numpy.seterr(all="ignore")
-        queue = self.queue
         while True:
             # No local reference survives the call: an idle worker must not keep the last
             # graph (and its buffers) alive until its next task.
-            self.run(queue.pop())
+            self.run(self._next_task())
+
+    def _next_task(self) -> NodeTask | None:
+        started = time.perf_counter()
+        task = self.queue.pop()
+        now = time.perf_counter()
+        if now - started > GIL_HOLD_S / 4:  # it slept (without the GIL): a fresh hold starts
+            worker_state.pause_at = now + GIL_HOLD_S
+        return task
 
     def run(self, task: NodeTask | None) -> None:
         """Evaluate ``task`` and the chain of same-device successors it makes ready."""
@@ -95,9 +110,13 @@ class Executor:
         engine = self.engine
         with self._busy_lock:
             self.busy += 1
+        state = worker_state
         try:
             while task is not None:
                 task = evaluate_task(engine, task, self)
+                state.evaluated += 1
+                if not state.evaluated & 31:
+                    pause_if_due()
         finally:
             with self._busy_lock:
                 self.busy -= 1
@@ -150,3 +169,18 @@ def lower_priority(nice: int) -> None:
     tid = threading.get_native_id()
     with contextlib.suppress(OSError):  # e.g. a sandbox that forbids it: stay as we are
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+
+
+def pause_if_due() -> None:
+    """On a worker that has held the GIL for about ``GIL_HOLD_S``, sleep ``GIL_PAUSE_S``.
+
+    Many small nodes in a row (or a long graph walk) hold the GIL between NumPy calls that
+    never release it: a thread waiting for it, the event loop's, would get it only after
+    CPython's switch interval (5 ms). A short sleep lets it in now.
+    """
+    state = worker_state
+    if state.executor is None:
+        return
+    if time.perf_counter() > state.pause_at:
+        time.sleep(GIL_PAUSE_S)
+        state.pause_at = time.perf_counter() + GIL_HOLD_S

@@ -24,6 +24,7 @@ from aioautograd.anomaly_mode import AnomalyMode, _anomaly
 from aioautograd.autograd.node import AccumulateGrad, Edge, Node
 from aioautograd.autograd.saved import describe
 from aioautograd.devices.device import stash_current_streams
+from aioautograd.engine.executor import pause_if_due
 from aioautograd.engine.ready_queue import DEPTH_SHIFT, NodeTask, ReadyQueue
 from aioautograd.grad_mode import _grad_enabled
 from aioautograd.profiler.recorder import active_profiler, profile
@@ -167,6 +168,8 @@ class GraphTask:
                     stack.append(next_node)
                     if len(seen) > limit:
                         return False
+                    if not len(seen) & 1023:
+                        pause_if_due()
         return True
 
     def init_to_execute(

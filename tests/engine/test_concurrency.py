@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 import time
+import types
 from typing import Any
 
 import numpy as np
@@ -322,3 +323,25 @@ async def test_cpu_workers_run_below_the_loops_priority(nice: int) -> None:
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert seen == [min(19, base + nice)]
     assert_close(x.grad, np.ones(3, np.float32))
+
+
+async def test_long_runs_of_small_nodes_pause_to_let_the_loop_take_the_gil(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aioautograd.engine import executor as executor_module
+
+    pauses: list[float] = []
+    clock = types.SimpleNamespace(perf_counter=time.perf_counter, sleep=pauses.append)
+    monkeypatch.setattr(executor_module, "time", clock)
+    monkeypatch.setattr(executor_module, "GIL_HOLD_S", 0.0)  # every check finds a pause due
+    x = ag.randn(3, dtype="float64", requires_grad=True)
+    h = x
+    for _ in range(320):
+        h = h * 1.001
+    await h.sum().backward()
+    assert len(pauses) >= 9  # a check every 32 nodes on the worker (321 nodes in all)
+    assert set(pauses) == {executor_module.GIL_PAUSE_S}
+    assert_close(x.grad, np.full(3, 1.001**320))
+    pauses.clear()
+    executor_module.pause_if_due()  # not on a worker thread: never sleeps
+    assert pauses == []
