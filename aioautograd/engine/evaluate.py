@@ -239,11 +239,6 @@ def _make_ready(
                 del dependencies[next_node]
                 buffer = not_ready.pop(next_node, None)
                 if buffer is None:
-                    if producer is None and next_node._stream is None:  # CPU, first gradient
-                        buffer = _new_buffer(next_node)
-                        buffer[input_nr] = grad
-                        ready.append(NodeTask(graph_task, next_node, buffer))
-                        continue
                     buffer = _new_buffer(next_node)
                 accumulate(buffer, input_nr, grad, producer, next_node._stream)
                 ready.append(NodeTask(graph_task, next_node, buffer))
