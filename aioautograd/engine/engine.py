@@ -100,16 +100,6 @@ class Engine:
         over two threads mostly trades the GIL back and forth); threads already awake, or
         woken for another graph task, take them too.
         """
-        if len(ready) == 1:  # the common case: a chain
-            task = ready[0]
-            if buffer_device(task.inputs) is not device:
-                self.push(task, buffer_device(task.inputs))
-                return None
-            top = self.executor(device).queue.top_key()
-            if top is not None and top > task.key:
-                self.push(task, device, wake=False)
-                return None
-            return task
         local: NodeTask | None = None
         for task in ready:
             task_device = buffer_device(task.inputs)
