@@ -23,8 +23,8 @@ test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q
 
 lint: $(VENV)/.installed-test
-	$(BIN)/ruff check aioautograd tests benchmarks
-	$(BIN)/ruff format --check aioautograd tests benchmarks
+	$(BIN)/ruff check aioautograd tests benchmarks notebooks
+	$(BIN)/ruff format --check aioautograd tests benchmarks notebooks
 	$(BIN)/mypy aioautograd
 
 bench: $(VENV)/.installed-test
