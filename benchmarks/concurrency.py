@@ -27,6 +27,7 @@ import numpy as np
 import aioautograd as ag
 from benchmarks.workloads import (
     CHAIN_FACTOR,
+    MLP_SIZES,
     SUBJECT,
     Case,
     Impl,
@@ -763,15 +764,8 @@ register(
         description="1 ms heartbeat on the loop during backward of the MLP 784-1024-1024-10, "
         "batch 256: tick delays",
         sizes={
-            "full": {"graph": "mlp", "widths": [784, 1024, 1024, 10], "batch": 256}
-            | _HEARTBEAT
-            | {"idle_s": 0.02},
-            "quick": {"graph": "mlp", "widths": [784, 1024, 1024, 10], "batch": 256}
-            | _HEARTBEAT
-            | {"idle_s": 0.02},
-            "tiny": {"graph": "mlp", "widths": [12, 16, 16, 10], "batch": 4}
-            | _HEARTBEAT
-            | {"idle_s": 0.002},
+            size: {"graph": "mlp"} | MLP_SIZES[size] | _HEARTBEAT | {"idle_s": idle_s}
+            for size, idle_s in (("full", 0.02), ("quick", 0.02), ("tiny", 0.002))
         },
         repeats={"full": (3, 30), "quick": (1, 8), "tiny": (0, 1)},
         impls=_STALL_MLP_IMPLS,

@@ -555,7 +555,7 @@ class _AioMlpInline(_AioMlp):
 INLINE_BUDGET_S = 0.001
 
 # SPEC §8's MLP 784-1024-1024-10, batch 256 (the smoke test's tiny one is 12-16-16-10).
-_MLP_SIZES: dict[str, Params] = {
+MLP_SIZES: dict[str, Params] = {
     "full": {"widths": [784, 1024, 1024, 10], "batch": 256},
     "quick": {"widths": [784, 1024, 1024, 10], "batch": 256},
     "tiny": {"widths": [12, 16, 16, 10], "batch": 4},
@@ -609,7 +609,7 @@ register(
     Workload(
         name="mlp",
         description="SGD step of an MLP 784-1024-1024-10, batch 256, float32, ReLU, cross-entropy",
-        sizes=_MLP_SIZES,
+        sizes=MLP_SIZES,
         repeats={"full": (5, 40), "quick": (2, 8), "tiny": (0, 1)},
         impls=_MLP_IMPLS,
         summary=_mlp_summary,
@@ -649,7 +649,7 @@ register(
     Workload(
         name="gpu_mlp",
         description="the mlp step on cuda:0: aioautograd on CuPy vs torch CUDA",
-        sizes=_MLP_SIZES,
+        sizes=MLP_SIZES,
         repeats={"full": (10, 100), "quick": (3, 20), "tiny": (0, 1)},
         impls=(
             Impl(SUBJECT, lambda p: _AioMlp(p, "cuda:0"), ("cupy",), unavailable=_no_cupy_gpu),
