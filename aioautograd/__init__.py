@@ -21,7 +21,14 @@ from aioautograd.autograd.node import AccumulateGrad, GraphRoot, Node
 from aioautograd.checkpoint import checkpoint
 from aioautograd.devices.device import Device, device
 from aioautograd.engine.api import backward, backward_sync, grad, grad_sync
-from aioautograd.engine.engine import Engine, get_default_engine, queue_callback
+from aioautograd.engine.engine import (
+    Engine,
+    get_default_engine,
+    offload,
+    queue_callback,
+    set_default_engine,
+)
+from aioautograd.engine.policy import EnginePolicy
 from aioautograd.factories import (
     arange,
     as_tensor,
@@ -106,6 +113,7 @@ __all__ = [
     "AccumulateGrad",
     "Device",
     "Engine",
+    "EnginePolicy",
     "Function",
     "FunctionCtx",
     "GradcheckError",
@@ -172,6 +180,7 @@ __all__ = [
     "neg",
     "nn",
     "no_grad",
+    "offload",
     "once_differentiable",
     "ones",
     "ones_like",
@@ -187,6 +196,7 @@ __all__ = [
     "randn_like",
     "relu",
     "reshape",
+    "set_default_engine",
     "set_detect_anomaly",
     "set_grad_enabled",
     "sigmoid",

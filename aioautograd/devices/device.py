@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from aioautograd.devices.cpu_budget import cpu_budget
+
 if TYPE_CHECKING:
     from aioautograd.devices.streams import Stream
 
@@ -52,8 +54,19 @@ class Backend:
         """Make ``stream`` current on this thread/context for the duration of the block."""
         yield
 
+    def matmul(self, a: Any, b: Any) -> Any:
+        """``xp.matmul(a, b)``: every matrix product of the built-in ops goes through here."""
+        return self.xp.matmul(a, b)
 
-CPU_BACKEND = Backend()
+
+class CpuBackend(Backend):
+    """NumPy, with matrix products counted against the CPU budget (``cpu_budget.py``)."""
+
+    def matmul(self, a: Any, b: Any) -> Any:
+        return cpu_budget().matmul(a, b)
+
+
+CPU_BACKEND = CpuBackend()
 
 
 class Device:

@@ -1,6 +1,21 @@
 """The asyncio-native autograd engine (mirrors engine.cpp / graph_task.h)."""
 
-from aioautograd.engine.engine import Engine, get_default_engine, queue_callback
+from aioautograd.engine.engine import (
+    Engine,
+    get_default_engine,
+    offload,
+    queue_callback,
+    set_default_engine,
+)
 from aioautograd.engine.executor import MAX_DEPTH
+from aioautograd.engine.policy import EnginePolicy
 
-__all__ = ["MAX_DEPTH", "Engine", "get_default_engine", "queue_callback"]
+__all__ = [
+    "MAX_DEPTH",
+    "Engine",
+    "EnginePolicy",
+    "get_default_engine",
+    "offload",
+    "queue_callback",
+    "set_default_engine",
+]

@@ -3,41 +3,44 @@
 from __future__ import annotations
 
 import asyncio
-import os
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from aioautograd._asyncio import ensure_no_running_loop
 from aioautograd.anomaly_mode import _anomaly
 from aioautograd.autograd.node import Edge, GraphRoot, Node
-from aioautograd.devices.device import Device
-from aioautograd.engine.executor import Executor
+from aioautograd.devices.cpu_budget import configure as configure_cpu_budget
+from aioautograd.devices.cpu_budget import usable_cores
+from aioautograd.devices.device import CPU, Device
+from aioautograd.engine.executor import Executor, OffloadedCall
 from aioautograd.engine.graph_task import GraphTask, LeafHook, current_graph_task
 from aioautograd.engine.input_buffer import buffer_device
+from aioautograd.engine.policy import EnginePolicy
 from aioautograd.engine.ready_queue import NodeTask
 from aioautograd.engine.validate import validate_outputs
 from aioautograd.tensor import Tensor
 
+T = TypeVar("T")
+
 
 def _default_cpu_threads() -> int:
-    return max(2, min(8, os.cpu_count() or 2))
+    return max(2, min(8, usable_cores()))
 
 
 class Engine:
     """Runs backward passes: any number of graph tasks at once, from any loops or threads.
 
-    Each device has one executor: CPU work runs on a pool of worker threads
-    (``num_cpu_threads``, default from the core count), each CUDA device on its own thread.
-    By default the event loop does no tensor math: it starts graph tasks, runs ``async``
-    nodes and completes futures. ``inline_budget_s > 0`` opts into running the small CPU
-    nodes of an awaited backward inline on the loop's thread, for at most that long per
-    backward (see engine/inline.py): a tiny graph then skips the two thread hand-offs (about
-    90 µs on a small VM), at the price of the loop doing that bounded work itself.
-    On Linux the CPU workers run ``worker_nice`` (default 10) below the process's priority,
-    so that the event loop's thread gets a core as soon as it wakes while a backward keeps
-    every core busy (0 leaves them at the process's priority).
-    Use :func:`get_default_engine` unless you need an isolated engine.
+    Each device has one executor: CPU work runs on a pool of worker threads, each CUDA
+    device on its own thread. The event loop starts graph tasks, runs ``async`` nodes and
+    completes futures; it does tensor math only for the small nodes of an awaited backward
+    that fits the policy's inline budget. How the engine uses the machine (threads, the CPU
+    budget shared with BLAS, nice level, inline budget, GIL pauses) is its
+    :class:`EnginePolicy`; the keyword arguments are shortcuts for its fields.
+
+    Use :func:`get_default_engine` (or install one with :func:`set_default_engine`) unless
+    you need an isolated engine.
     """
 
     _default: ClassVar[Engine | None] = None
@@ -45,19 +48,40 @@ class Engine:
 
     def __init__(
         self,
+        policy: EnginePolicy | None = None,
+        *,
         num_cpu_threads: int | None = None,
-        inline_budget_s: float = 0.0,
-        worker_nice: int = 10,
+        inline_budget_s: float | None = None,
+        worker_nice: int | None = None,
     ) -> None:
-        self.num_cpu_threads = num_cpu_threads or _default_cpu_threads()
-        self.inline_budget_s = inline_budget_s
-        self.worker_nice = worker_nice
+        policy = policy if policy is not None else EnginePolicy()
+        overrides: dict[str, Any] = {}
+        if num_cpu_threads is not None:
+            overrides["cpu_threads"] = num_cpu_threads
+        if inline_budget_s is not None:
+            overrides["inline_budget_s"] = inline_budget_s
+        if worker_nice is not None:
+            overrides["worker_nice"] = worker_nice
+        self.policy = dataclasses.replace(policy, **overrides) if overrides else policy
         self._executors: dict[Device, Executor] = {}
         self._executors_lock = threading.Lock()
 
+    @property
+    def num_cpu_threads(self) -> int:
+        """CPU executor worker threads (the policy's ``cpu_threads``, or the default)."""
+        return self.policy.cpu_threads or _default_cpu_threads()
+
+    @property
+    def inline_budget_s(self) -> float:
+        return self.policy.inline_budget_s
+
+    @inline_budget_s.setter
+    def inline_budget_s(self, value: float) -> None:
+        self.policy = dataclasses.replace(self.policy, inline_budget_s=value)
+
     @classmethod
     def get_default_engine(cls) -> Engine:
-        """The process-wide engine used by ``backward`` and ``grad``."""
+        """The process-wide engine used by ``backward``, ``grad`` and ``offload``."""
         engine = cls._default
         if engine is None:
             with cls._default_lock:
@@ -65,6 +89,27 @@ class Engine:
                 if engine is None:
                     engine = cls._default = Engine()
         return engine
+
+    @classmethod
+    def set_default_engine(cls, engine: Engine) -> Engine | None:
+        """Make ``engine`` the one ``backward``, ``grad`` and ``offload`` use; return the
+        previous one (which keeps serving the passes already running on it).
+
+        The new engine's policy also configures the process's CPU budget.
+        """
+        with cls._default_lock:
+            previous = cls._default
+            cls._default = engine
+        configure_cpu_budget(engine.policy)
+        return previous
+
+    def close(self) -> None:
+        """Stop this engine's worker threads once their queues are empty.
+
+        Call it on an engine that no backward pass uses any more (not the default one).
+        """
+        for executor in self.executors.values():
+            executor.close()
 
     # ---------------------------------------------------------------------- executors
     def executor(self, device: Device) -> Executor:
@@ -212,6 +257,40 @@ class Engine:
         )
         return graph_task.run_sync(first, device)
 
+    async def offload(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` on this engine's CPU executor and return its result.
+
+        The way to keep a whole training step off the event loop: forward, loss,
+        ``backward_sync`` (which runs on the same executor, reentrantly, as a node's nested
+        backward does) and ``optimizer.step()``. ``fn`` runs in a copy of the caller's
+        context (grad mode, anomaly mode, current RPC worker...), on a worker thread that
+        counts against the CPU budget, so concurrent steps share the cores with the
+        engine's backward passes instead of oversubscribing them. Calls start in order,
+        after every node already queued.
+
+        Cancelling the awaiting task skips a call that has not started; one that has
+        started finishes in the background and its result is dropped.
+
+        Example::
+
+            def step(x, y):
+                loss = F.cross_entropy(model(x), y)
+                optimizer.zero_grad()
+                loss.backward_sync()
+                optimizer.step()
+                return loss.item()
+
+            loss = await aioautograd.offload(step, x, y)
+        """
+        call = OffloadedCall(fn, args, kwargs, asyncio.get_running_loop())
+        self.executor(CPU).queue.push_call(call)
+        self.executor(CPU).ensure_started()
+        try:
+            return await call.future  # type: ignore[no-any-return]
+        except asyncio.CancelledError:
+            call.cancelled = True
+            raise
+
     @staticmethod
     def queue_callback(callback: Callable[[], Any]) -> None:
         """Run ``callback`` (plain or ``async``) when the current backward pass completes.
@@ -233,6 +312,21 @@ class Engine:
 def get_default_engine() -> Engine:
     """The process-wide default :class:`Engine`."""
     return Engine.get_default_engine()
+
+
+def set_default_engine(engine: Engine) -> Engine | None:
+    """Shortcut for :meth:`Engine.set_default_engine`.
+
+    Example::
+
+        aioautograd.set_default_engine(Engine(EnginePolicy(worker_nice=0)))
+    """
+    return Engine.set_default_engine(engine)
+
+
+async def offload(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """Shortcut for :meth:`Engine.offload` on the default engine."""
+    return await Engine.get_default_engine().offload(fn, *args, **kwargs)
 
 
 def queue_callback(callback: Callable[[], Any]) -> None:

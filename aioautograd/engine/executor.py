@@ -13,15 +13,19 @@ driven by a fresh thread instead, so depth is bounded by neither deadlock nor st
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy
 
+from aioautograd.devices.cpu_budget import cpu_budget
 from aioautograd.engine.ready_queue import ReadyQueue
 
 if TYPE_CHECKING:
@@ -31,11 +35,6 @@ if TYPE_CHECKING:
     from aioautograd.engine.ready_queue import NodeTask
 
 MAX_DEPTH = 60
-# A worker running small nodes back to back sleeps GIL_PAUSE_S after holding the GIL for
-# about GIL_HOLD_S (checked every 32 nodes), so that the event loop waits about that long
-# at most instead of CPython's 5 ms switch interval.
-GIL_HOLD_S = 0.002
-GIL_PAUSE_S = 0.00002
 
 
 class _WorkerState(threading.local):
@@ -51,6 +50,8 @@ class _WorkerState(threading.local):
 
 
 worker_state = _WorkerState()
+
+_STOP: Any = object()  # queued by ``Executor.close``: the worker that pops it exits
 
 
 class Executor:
@@ -71,6 +72,15 @@ class Executor:
             self._start()
         self.queue.push(task, wake)
 
+    def ensure_started(self) -> None:
+        if len(self._threads) < self.num_threads:
+            self._start()
+
+    def close(self) -> None:
+        """Let the worker threads exit once the queue is empty (``Engine.close``)."""
+        for _ in self._threads:
+            self.queue.push_call(_STOP)
+
     def _start(self) -> None:
         with self._start_lock:
             while len(self._threads) < self.num_threads:
@@ -86,30 +96,44 @@ class Executor:
         worker_state.executor = self
         worker_state.depth = 0
         if self.device.type == "cpu":
-            lower_priority(self.engine.worker_nice)
+            lower_priority(self.engine.policy.worker_nice)
         # Backward formulas evaluate masked-out branches (pow at 0, log of a clamped value):
         # like PyTorch, produce inf/nan silently instead of NumPy warnings on this thread.
         numpy.seterr(all="ignore")
-        while True:
-            # No local reference survives the call: an idle worker must not keep the last
-            # graph (and its buffers) alive until its next task.
-            self.run(self._next_task())
+        # No local reference survives an iteration: an idle worker must not keep the last
+        # graph (and its buffers) alive until its next task.
+        while self._serve(self._next_task()):
+            pass
 
-    def _next_task(self) -> NodeTask | None:
+    def _serve(self, item: NodeTask | OffloadedCall | None) -> bool:
+        if type(item) is OffloadedCall:
+            self._run_call(item)
+        elif item is _STOP:
+            return False
+        else:
+            self.run(item)  # type: ignore[arg-type]
+        return True
+
+    def _next_task(self) -> NodeTask | OffloadedCall | None:
         started = time.perf_counter()
         task = self.queue.pop()
         now = time.perf_counter()
-        if now - started > GIL_HOLD_S / 4:  # it slept (without the GIL): a fresh hold starts
-            worker_state.pause_at = now + GIL_HOLD_S
-        return task
+        hold = self.engine.policy.gil_hold_s
+        if now - started > hold / 4:  # it slept (without the GIL): a fresh hold starts
+            worker_state.pause_at = now + hold
+        return task  # type: ignore[no-any-return]
 
     def run(self, task: NodeTask | None) -> None:
-        """Evaluate ``task`` and the chain of same-device successors it makes ready."""
+        """Evaluate ``task`` and the chain of same-device successors it makes ready
+        (executor thread). While it runs, the thread counts against the CPU budget, and it
+        waits between two nodes while the budget is overdrawn."""
         from aioautograd.engine.evaluate import evaluate_task
 
         engine = self.engine
         with self._busy_lock:
             self.busy += 1
+        budget = cpu_budget() if self.device.type == "cpu" else None
+        counted = budget is not None and budget.enter()
         state = worker_state
         try:
             while task is not None:
@@ -117,27 +141,55 @@ class Executor:
                 state.evaluated += 1
                 if not state.evaluated & 31:
                     pause_if_due()
+                if budget is not None and budget.over_budget():
+                    budget.wait_for_core()
         finally:
+            if counted:
+                budget.leave()  # type: ignore[union-attr]
             with self._busy_lock:
                 self.busy -= 1
 
-    def drive(self, graph_task: GraphTask) -> None:
-        """Serve this executor's queue on the current thread until ``graph_task`` completes.
+    def _run_call(self, call: OffloadedCall) -> None:
+        budget = cpu_budget() if self.device.type == "cpu" else None
+        counted = budget is not None and budget.enter()
+        with self._busy_lock:
+            self.busy += 1
+        try:
+            call.run()
+        finally:
+            with self._busy_lock:
+                self.busy -= 1
+            if counted:
+                budget.leave()  # type: ignore[union-attr]
 
-        Called by a worker thread that started a nested (reentrant) graph task.
+    def drive(self, graph_task: GraphTask) -> None:
+        """Serve this executor's queue on the current thread until ``graph_task`` completes
+        (executor thread, inside a node or an offloaded call that started a nested graph
+        task with ``backward_sync``/``grad_sync``).
+
+        The nodes run in a context of their own, so the caller's grad mode and current
+        graph task are as they were when the nested pass returns.
         """
         if worker_state.depth >= MAX_DEPTH:
             self._drive_on_fresh_thread(graph_task)
             return
         worker_state.depth += 1
         graph_task.owner_queue = self.queue
+        context = contextvars.Context()
+        budget = cpu_budget() if self.device.type == "cpu" else None
+        queue = self.queue
+
+        def completed() -> bool:
+            return graph_task.completed
+
         try:
-
-            def completed() -> bool:
-                return graph_task.completed
-
             while not graph_task.completed:
-                self.run(self.queue.pop(completed))
+                if budget is None or len(queue):
+                    task = queue.pop(completed)
+                else:
+                    with budget.lent():  # sleeping for the next task: the core is free
+                        task = queue.pop(completed)
+                context.run(self.run, task)
         finally:
             worker_state.depth -= 1
 
@@ -146,15 +198,69 @@ class Executor:
             worker_state.executor = self
             worker_state.depth = 0
             if self.device.type == "cpu":
-                lower_priority(self.engine.worker_nice)
+                lower_priority(self.engine.policy.worker_nice)
+            numpy.seterr(all="ignore")
             self.drive(graph_task)
 
         thread = threading.Thread(
             target=main, name=f"aioautograd-{self.device}-reentrant", daemon=True
         )
-        thread.start()
-        graph_task.wait_completed()
-        thread.join()
+        budget = cpu_budget() if self.device.type == "cpu" else None
+        with budget.lent() if budget is not None else contextlib.nullcontext():
+            # This thread only waits: its core goes to the fresh one.
+            thread.start()
+            graph_task.wait_completed()
+            thread.join()
+
+
+class OffloadedCall:
+    """A plain function run on an executor thread for a coroutine (``Engine.offload``), in
+    a copy of the caller's context; its result or exception resolves ``future`` on the
+    caller's loop. A call cancelled before it starts never runs."""
+
+    __slots__ = ("args", "cancelled", "context", "fn", "future", "kwargs", "loop")
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.context = contextvars.copy_context()
+        self.loop = loop
+        self.future: asyncio.Future[Any] = loop.create_future()
+        self.cancelled = False
+
+    def run(self) -> None:
+        """Run the call (executor thread)."""
+        if self.cancelled:
+            return
+        try:
+            result = self.context.run(self.fn, *self.args, **self.kwargs)
+        except BaseException as exc:  # delivered to the awaiting caller, never to the worker
+            self._deliver(None, exc)
+        else:
+            self._deliver(result, None)
+        finally:
+            self.args = ()
+            self.kwargs = {}
+
+    def _deliver(self, result: Any, error: BaseException | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
+            self.loop.call_soon_threadsafe(self._resolve, result, error)
+
+    def _resolve(self, result: Any, error: BaseException | None) -> None:
+        future = self.future
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
 
 def lower_priority(nice: int) -> None:
@@ -172,15 +278,18 @@ def lower_priority(nice: int) -> None:
 
 
 def pause_if_due() -> None:
-    """On a worker that has held the GIL for about ``GIL_HOLD_S``, sleep ``GIL_PAUSE_S``.
+    """On a worker that has held the GIL for about the policy's ``gil_hold_s``, sleep its
+    ``gil_pause_s`` (executor thread).
 
     Many small nodes in a row (or a long graph walk) hold the GIL between NumPy calls that
     never release it: a thread waiting for it, the event loop's, would get it only after
     CPython's switch interval (5 ms). A short sleep lets it in now.
     """
     state = worker_state
-    if state.executor is None:
+    executor = state.executor
+    if executor is None:
         return
     if time.perf_counter() > state.pause_at:
-        time.sleep(GIL_PAUSE_S)
-        state.pause_at = time.perf_counter() + GIL_HOLD_S
+        policy = executor.engine.policy
+        time.sleep(policy.gil_pause_s)
+        state.pause_at = time.perf_counter() + policy.gil_hold_s

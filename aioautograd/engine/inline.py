@@ -31,14 +31,8 @@ if TYPE_CHECKING:
     from aioautograd.engine.graph_task import GraphTask
     from aioautograd.engine.ready_queue import NodeTask
 
-# A graph with more nodes goes to the executors whole (its analysis alone would take a while).
-INLINE_MAX_NODES = 256
-# Gradient elements a node receives plus those it produces: a proxy for its cost, which keeps
-# large matrix products (and their milliseconds) off the loop.
-INLINE_MAX_ELEMENTS = 1 << 16
 
-
-def qualifies(task: NodeTask) -> bool:
+def qualifies(task: NodeTask, max_elements: int) -> bool:
     """Whether ``task`` may run inline: library code only, CPU, no user hooks, small."""
     node = task.node
     if not node.inline or node._stream is not None or node._pre_hooks or node._post_hooks:
@@ -53,11 +47,11 @@ def qualifies(task: NodeTask) -> bool:
                 return False
             size += grad.data.size
     if type(node) is AccumulateGrad:
-        return size <= INLINE_MAX_ELEMENTS and not node.variable._post_accumulate_grad_hooks
+        return size <= max_elements and not node.variable._post_accumulate_grad_hooks
     for next_node, input_nr in node._next_edges:
         if next_node is not None:
             size += math.prod(next_node._input_metadata[input_nr][0])
-    return size <= INLINE_MAX_ELEMENTS
+    return size <= max_elements
 
 
 def run_inline(graph_task: GraphTask, first: NodeTask, budget_s: float) -> bool:
@@ -67,7 +61,9 @@ def run_inline(graph_task: GraphTask, first: NodeTask, budget_s: float) -> bool:
     handed to the executors (call in the graph task's context: ``enter_graph_task``).
     """
     engine = graph_task.engine
-    if not qualifies(first) or not graph_task.analyse(INLINE_MAX_NODES):
+    policy = engine.policy
+    max_elements = policy.inline_max_elements
+    if not qualifies(first, max_elements) or not graph_task.analyse(policy.inline_max_nodes):
         graph_task.expect_completion_elsewhere()
         engine.push(first, buffer_device(first.inputs))
         return False
@@ -77,7 +73,9 @@ def run_inline(graph_task: GraphTask, first: NodeTask, budget_s: float) -> bool:
     with numpy.errstate(all="ignore"):  # as on the executors: backward formulas may make inf
         while heap:
             task = heap[0][2]
-            if task is not first and (time.perf_counter() > deadline or not qualifies(task)):
+            if task is not first and (
+                time.perf_counter() > deadline or not qualifies(task, max_elements)
+            ):
                 break
             heapq.heappop(heap)
             ready = process_task(task, CPU)

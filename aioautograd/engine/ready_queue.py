@@ -74,6 +74,7 @@ class ReadyQueue:
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, int, Any]] = []
+        self._calls: deque[Any] = deque()  # offloaded calls, FIFO, after every NodeTask
         self._lock = threading.Lock()
         self._waiters: deque[queue.SimpleQueue[None]] = deque()
         self._tiebreak = itertools.count()
@@ -88,17 +89,37 @@ class ReadyQueue:
         if channel is not None:
             channel.put(None)
 
-    def pop(self, stop: Callable[[], bool] | None = None) -> NodeTask | None:
-        """Block until a task is available; return ``None`` early once ``stop()`` is true."""
+    def push_call(self, call: Any) -> None:
+        """Queue an offloaded call (``Engine.offload``): it runs when no NodeTask waits.
+
+        Every sleeping thread is woken: those driving a nested graph task do not take calls
+        and go back to sleep (calls are whole training steps: rare next to NodeTasks).
+        """
+        with self._lock:
+            self._calls.append(call)
+            channels = list(self._waiters)
+            self._waiters.clear()
+        for channel in channels:
+            channel.put(None)
+
+    def pop(self, stop: Callable[[], bool] | None = None) -> Any:
+        """Block until a task is available; return ``None`` early once ``stop()`` is true.
+
+        With ``stop`` (a thread driving a nested graph task), only NodeTasks are returned:
+        a thread waiting for its own backward pass must not start an offloaded call.
+        """
         heap = self._heap
+        calls = self._calls
         lock = self._lock
         channel = _waiter.channel
         while True:
             with lock:
                 if heap:
-                    task: NodeTask = heapq.heappop(heap)[2]
-                    return task
-                if stop is not None and stop():
+                    return heapq.heappop(heap)[2]
+                if stop is None:
+                    if calls:
+                        return calls.popleft()
+                elif stop():
                     return None
                 self._waiters.append(channel)
             channel.get()  # removed from _waiters by whoever put the token
@@ -120,4 +141,4 @@ class ReadyQueue:
             channel.put(None)
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._heap) + len(self._calls)

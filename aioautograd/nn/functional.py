@@ -137,7 +137,7 @@ class LinearFunction(Op):
     def forward(ctx: Any, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         lead = input.shape[:-1]
         rows = input.data.reshape(-1, input.shape[-1])
-        out = rows @ weight.data.T
+        out = input.device.backend.matmul(rows, weight.data.T)
         if bias is not None:
             out += bias.data
         ctx.save_for_backward(input, weight)

@@ -18,7 +18,7 @@ class MatMul(Op):
             # Each gradient needs only the other operand.
             ctx.save_for_backward(a if needs[1] else None, b if needs[0] else None)
             ctx.ndims = (a.ndim, b.ndim)
-        return wrap(device.xp.matmul(a_data, b_data), device)
+        return wrap(device.backend.matmul(a_data, b_data), device)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
@@ -28,9 +28,10 @@ class MatMul(Op):
             # Nothing to record: the two products on the arrays (a plain backward's case).
             a_data, b_data = ctx.saved_arrays
             xp, g, device = grad.xp, grad.data, grad.device
+            product = device.backend.matmul
             return (
-                wrap(xp.matmul(g, xp.swapaxes(b_data, -1, -2)), device) if needs[0] else None,
-                wrap(xp.matmul(xp.swapaxes(a_data, -1, -2), g), device) if needs[1] else None,
+                wrap(product(g, xp.swapaxes(b_data, -1, -2)), device) if needs[0] else None,
+                wrap(product(xp.swapaxes(a_data, -1, -2), g), device) if needs[1] else None,
             )
         a, b = ctx.saved_tensors
         if a_ndim == 1 and b_ndim == 1:  # dot product: grad is 0-d

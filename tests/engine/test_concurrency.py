@@ -333,14 +333,17 @@ async def test_long_runs_of_small_nodes_pause_to_let_the_loop_take_the_gil(
     pauses: list[float] = []
     clock = types.SimpleNamespace(perf_counter=time.perf_counter, sleep=pauses.append)
     monkeypatch.setattr(executor_module, "time", clock)
-    monkeypatch.setattr(executor_module, "GIL_HOLD_S", 0.0)  # every check finds a pause due
+    # gil_hold_s=0: every check finds a pause due.
+    engine = Engine(ag.EnginePolicy(gil_hold_s=0.0, gil_pause_s=0.000_03, inline_budget_s=0.0))
     x = ag.randn(3, dtype="float64", requires_grad=True)
     h = x
     for _ in range(320):
         h = h * 1.001
-    await h.sum().backward()
+    loss = h.sum()
+    await engine.execute([(loss.grad_fn, 0)], [ag.ones((), dtype="float64")], False, False, True)
+    engine.close()
     assert len(pauses) >= 9  # a check every 32 nodes on the worker (321 nodes in all)
-    assert set(pauses) == {executor_module.GIL_PAUSE_S}
+    assert set(pauses) == {0.000_03}
     assert_close(x.grad, np.full(3, 1.001**320))
     pauses.clear()
     executor_module.pause_if_due()  # not on a worker thread: never sleeps

@@ -1,0 +1,408 @@
+"""The CPU budget: every thread that computes on the CPU counts against the machine's cores.
+
+Why the library, not the user, decides how many threads compute. Measured on 2 cores in the
+default environment (no BLAS variables set), four models trained at once with
+``asyncio.gather`` ran 4x slower than one after another:
+
+- OpenBLAS's thread count is process-wide (``openblas_set_num_threads_local`` of the pthreads
+  build that NumPy ships sets the global count too), so the engine's workers, the caller's
+  thread and every BLAS call each asked for all the cores at once;
+- after a multi-threaded call OpenBLAS's helper threads spin for about 0.1 s of CPU before
+  they sleep (0.105 s of CPU in a 0.2 s idle window after one product), taking a core from
+  whatever thread computes next.
+
+So while aioautograd computes, NumPy's BLAS runs on one thread, and large matrix products are
+split over the budget's own helper threads instead (PyTorch's intra-op parallelism), but only
+into cores that no other thread is computing on: one model alone gets both cores for its
+products, four models at once get one each, and nothing spins. The BLAS thread count the
+process had is restored whenever no aioautograd thread computes, so the user's own NumPy code
+between steps runs as it always did.
+
+Who counts: engine workers while they run nodes (``enter``/``leave``, called by the
+executor per run of nodes), helper threads while they run a part of a product, and any other
+thread (the event loop's, a user's) for the duration of a large product it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import sys
+import threading
+from asyncio import _get_running_loop
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity where the OS tells, else the count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class _ThreadState(threading.local):
+    counted: bool = False  # this thread already counts against the budget (a busy worker)
+
+
+_thread = _ThreadState()
+
+
+class _BlasThreads:
+    """NumPy's BLAS thread count, set and read through the library's own C functions (about
+    1 µs each). threadpoolctl finds the library; for OpenBLAS's process-wide pool its own
+    setter is bypassed, because it lets only the first thread that used it change the count
+    (a worker thread's later calls would be ignored)."""
+
+    def __init__(self) -> None:
+        self._get: Callable[[], int] | None = None
+        self._set: Callable[[int], Any] | None = None
+        try:
+            from threadpoolctl import ThreadpoolController
+        except ImportError:
+            return
+        controllers = [c for c in ThreadpoolController().lib_controllers if c.user_api == "blas"]
+        numpy_owned = [c for c in controllers if "numpy" in str(c.filepath)]
+        chosen = (numpy_owned or controllers or [None])[0]
+        if chosen is None:
+            return
+        self._get = chosen.get_num_threads
+        self._set = chosen.set_num_threads
+        if chosen.internal_api == "openblas" and chosen.threading_layer == "pthreads":
+            setter = _openblas_symbol(chosen.dynlib, "openblas_set_num_threads")
+            if setter is not None:
+                self._set = setter
+
+    @property
+    def available(self) -> bool:
+        return self._get is not None
+
+    def get(self) -> int:
+        return int(self._get()) if self._get is not None else 1
+
+    def set(self, threads: int) -> None:
+        if self._set is not None:
+            self._set(threads)
+
+
+def _openblas_symbol(dynlib: Any, name: str) -> Any:
+    # NumPy's wheels ship OpenBLAS with a ``scipy_`` prefix and a ``64_`` suffix.
+    for prefix in ("", "scipy_"):
+        for suffix in ("", "64_", "_64"):
+            function = getattr(dynlib, prefix + name + suffix, None)
+            if function is not None:
+                return function
+    return None
+
+
+class CpuBudget:
+    """How many threads compute on the CPU now, and the helpers that split large products.
+
+    One instance per process (:func:`cpu_budget`): cores and BLAS pools are process-wide.
+
+    Args:
+        cores: the number of threads that may compute at once.
+        min_split_flops: a product smaller than this runs whole on the calling thread (waking
+            a helper costs tens of microseconds; see :class:`aioautograd.engine.EnginePolicy`).
+        min_counted_flops: a product smaller than this is not counted (BLAS runs it on one
+            thread whatever its setting, and counting costs a lock and two BLAS calls).
+        manage_blas: keep NumPy's BLAS on one thread while aioautograd computes.
+    """
+
+    def __init__(
+        self,
+        cores: int,
+        min_split_flops: float,
+        min_counted_flops: float = 0.0,
+        manage_blas: bool = True,
+    ) -> None:
+        self.cores = max(1, cores)
+        self.min_split_flops = min_split_flops
+        self.min_counted_flops = min_counted_flops
+        self._lock = threading.Lock()
+        self._slot_free = threading.Condition(self._lock)
+        self._waiting = 0  # workers waiting for a core (``wait_for_core``)
+        self.active = 0
+        self.peak = 0  # the most threads ever counted at once (tests check the budget)
+        self.split_products = 0  # products run in parts (observability)
+        self._blas = _BlasThreads() if manage_blas else None
+        self._user_blas_threads = self._blas.get() if self._blas is not None else 1
+        self._idle_helpers: list[_Helper] = []
+        self._helpers: list[_Helper] = []
+
+    # ------------------------------------------------------------------ accounting
+    def enter(self) -> bool:
+        """Count the calling thread as computing, once a core is free (an engine worker
+        about to run nodes: it waits while the budget is spent).
+
+        Returns False, counting nothing, if the thread already counts (a reentrant run);
+        call :meth:`leave` only after an ``enter`` that returned True.
+        """
+        if _thread.counted:
+            return False
+        with self._lock:
+            self._wait_for_room()
+            self._count(1)
+        _thread.counted = True
+        return True
+
+    def leave(self) -> None:
+        """Stop counting the calling thread."""
+        _thread.counted = False
+        with self._lock:
+            self._count(-1)
+
+    @contextlib.contextmanager
+    def lent(self) -> Iterator[None]:
+        """Stop counting the calling thread while it blocks (if it was counted)."""
+        if not _thread.counted:
+            yield
+            return
+        self.leave()
+        try:
+            yield
+        finally:
+            self.enter()
+
+    def over_budget(self) -> bool:
+        """Whether more threads compute than there are cores (an unlocked read: a hint)."""
+        return self.active > self.cores
+
+    def wait_for_core(self) -> None:
+        """Give up the calling (counted) thread's core until the count is within budget.
+
+        A worker calls this between two nodes when a thread outside the engine (the event
+        loop running a forward pass, say) pushed the count over the cores: callers cannot
+        wait, workers can.
+        """
+        if not _thread.counted:
+            return
+        with self._lock:
+            if self.active <= self.cores:
+                return
+            self._count(-1)
+            self._wait_for_room()
+            self._count(1)
+
+    def _wait_for_room(self) -> None:
+        # Called with the lock held.
+        if self.active < self.cores:
+            return
+        self._waiting += 1
+        try:
+            while self.active >= self.cores:
+                self._slot_free.wait()
+        finally:
+            self._waiting -= 1
+
+    def _count(self, delta: int) -> None:
+        # Called with the lock held. BLAS goes to one thread when the first thread starts
+        # computing and back to the user's count when the last one stops.
+        active = self.active + delta
+        blas = self._blas
+        if blas is not None:
+            if self.active == 0 and active > 0:
+                self._user_blas_threads = blas.get()
+                if self._user_blas_threads != 1:
+                    blas.set(1)
+            elif active == 0 and self._user_blas_threads != 1:
+                blas.set(self._user_blas_threads)
+        self.active = active
+        if active > self.peak:
+            self.peak = active
+        if delta < 0 and self._waiting:
+            self._slot_free.notify()
+
+    # ------------------------------------------------------------------- products
+    def matmul(self, a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> Any:
+        """``numpy.matmul(a, b)``, split over idle cores when it is large enough.
+
+        The result is bitwise the same whether the product is split or not (chunks are
+        aligned to ``CHUNK_ALIGN``, so every element is computed by the same kernel in the
+        same order), which keeps gradients reproducible whatever the load. A product on an
+        event loop's thread is urgent (every coroutine of that loop waits for it): it takes
+        every core, and the engine's workers yield theirs at their next node boundary.
+        """
+        if a.dtype.kind not in "fc" or b.dtype.kind not in "fc" or a.ndim == 0 or b.ndim == 0:
+            return np.matmul(a, b)
+        flops = 2.0 * a.size * (b.shape[-1] if b.ndim > 1 else 1)
+        if flops < self.min_counted_flops:
+            return np.matmul(a, b)
+        split_size = 0  # the length of the dimension the product is cut along
+        if flops >= self.min_split_flops and a.ndim >= 2 and b.ndim == 2:
+            split_size = max(a.shape[-2], b.shape[1])
+        counted = _thread.counted
+        with self._lock:
+            if not counted:
+                self._count(1)
+            helpers: list[_Helper] = []
+            if split_size >= 2 * CHUNK_ALIGN and flops >= 4 * MIN_CHUNK_MACS:
+                urgent = _get_running_loop() is not None
+                free = self.cores - 1 if urgent else self.cores - self.active
+                wanted = min(free, split_size // CHUNK_ALIGN - 1)
+                if wanted > 0:
+                    helpers = self._take_helpers(wanted)
+                    self._count(len(helpers))
+        try:
+            if not helpers:
+                return np.matmul(a, b)
+            return self._split(a, b, helpers)
+        finally:
+            with self._lock:
+                self._count(-(len(helpers) + (0 if counted else 1)))
+                self._idle_helpers.extend(helpers)
+
+    def _split(
+        self, a: np.ndarray[Any, Any], b: np.ndarray[Any, Any], helpers: list[_Helper]
+    ) -> np.ndarray[Any, Any]:
+        rows, cols = a.shape[-2], b.shape[1]
+        out = np.empty((*a.shape[:-1], cols), dtype=np.result_type(a.dtype, b.dtype))
+        job = _SplitProduct(a, b, out, rows >= cols, CHUNKS_PER_THREAD * (len(helpers) + 1))
+        for helper in helpers:
+            helper.inbox.put(job)
+        job.run_chunks()
+        job.wait()
+        self.split_products += 1
+        return out
+
+    def _take_helpers(self, count: int) -> list[_Helper]:
+        # Called with the lock held.
+        while len(self._helpers) < self.cores - 1 and len(self._idle_helpers) < count:
+            helper = _Helper(len(self._helpers))
+            self._helpers.append(helper)
+            self._idle_helpers.append(helper)
+        taken = self._idle_helpers[-count:] if count else []
+        del self._idle_helpers[len(self._idle_helpers) - len(taken) :]
+        return taken
+
+
+# Chunk boundaries are multiples of this many rows (columns): BLAS kernels work on blocks of
+# up to 32 (OpenBLAS's sgemm on AVX-512), so every element of a chunk is computed exactly as
+# in the whole product; a one-column chunk, say, would go through gemv and round differently.
+CHUNK_ALIGN = 64
+# ...and hold at least this many multiply-adds: OpenBLAS computes small products (about
+# 100x100x100 and below) with other kernels, whose rounding differs.
+MIN_CHUNK_MACS = 1 << 21
+# A split product is cut in this many chunks per thread, claimed one at a time: a thread that
+# another process (or a higher priority) slows down delays the product by one chunk at most,
+# instead of holding the others back for its whole share, as a static split (and OpenBLAS's
+# own threads: 7.5 ms instead of 1.4 for 256x784 @ 784x512 with the other core busy) does.
+CHUNKS_PER_THREAD = 4
+
+
+class _SplitProduct:
+    """``out = a @ b`` cut in row (or column) blocks that threads claim until none is left."""
+
+    def __init__(
+        self,
+        a: np.ndarray[Any, Any],
+        b: np.ndarray[Any, Any],
+        out: np.ndarray[Any, Any],
+        by_rows: bool,
+        chunks: int,
+    ) -> None:
+        size = out.shape[-2] if by_rows else out.shape[-1]
+        blocks = -(-size // CHUNK_ALIGN)
+        macs_per_block = CHUNK_ALIGN * out.size // size * a.shape[-1]
+        chunks = max(1, min(chunks, blocks, macs_per_block * blocks // MIN_CHUNK_MACS))
+        self._bounds = [min(size, CHUNK_ALIGN * (blocks * i // chunks)) for i in range(chunks + 1)]
+        self._a, self._b, self._out, self._by_rows = a, b, out, by_rows
+        self._lock = threading.Lock()
+        self._next = 0
+        self._left = chunks  # chunks not finished yet
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+
+    def run_chunks(self) -> None:
+        """Compute chunks until none is left to claim (any thread)."""
+        bounds = self._bounds
+        while True:
+            with self._lock:
+                index = self._next
+                if index + 1 >= len(bounds):
+                    return
+                self._next = index + 1
+            start, stop = bounds[index], bounds[index + 1]
+            try:
+                if self._by_rows:
+                    np.matmul(
+                        self._a[..., start:stop, :], self._b, out=self._out[..., start:stop, :]
+                    )
+                else:
+                    np.matmul(self._a, self._b[:, start:stop], out=self._out[..., start:stop])
+            except BaseException as exc:  # reported to the thread that asked for the product
+                self._error = exc
+            with self._lock:
+                self._left -= 1
+                if self._left == 0:
+                    self._finished.set()
+
+    def wait(self) -> None:
+        """Block until every chunk is done (the chunks other threads are still computing)."""
+        self._finished.wait()
+        if self._error is not None:
+            raise self._error
+
+
+class _Helper:
+    """A thread that computes chunks of split products (BLAS calls: it holds the GIL only
+    briefly) and sleeps on its inbox between them, never spinning."""
+
+    def __init__(self, index: int) -> None:
+        self.inbox: queue.SimpleQueue[_SplitProduct] = queue.SimpleQueue()
+        self.thread = threading.Thread(
+            target=self._main, name=f"aioautograd-intra-op-{index}", daemon=True
+        )
+        self.thread.start()
+
+    def _main(self) -> None:
+        # Created by whichever thread first split a product (maybe a worker at a lower
+        # priority): run at the process's priority, so its chunks do not straggle.
+        if sys.platform.startswith("linux"):
+            with contextlib.suppress(OSError):
+                os.setpriority(
+                    os.PRIO_PROCESS,
+                    threading.get_native_id(),
+                    os.getpriority(os.PRIO_PROCESS, os.getpid()),
+                )
+        while True:
+            job = self.inbox.get()
+            job.run_chunks()
+            del job
+
+
+_budget: CpuBudget | None = None
+_budget_lock = threading.Lock()
+
+
+def cpu_budget() -> CpuBudget:
+    """The process's CPU budget, configured by the default engine's policy."""
+    budget = _budget
+    if budget is None:
+        with _budget_lock:
+            budget = _budget
+            if budget is None:
+                from aioautograd.engine.policy import EnginePolicy
+
+                budget = configure(EnginePolicy())
+    return budget
+
+
+def configure(policy: Any) -> CpuBudget:
+    """Install a budget made from an ``EnginePolicy`` (``set_default_engine`` does this)."""
+    global _budget
+    old = _budget
+    budget = CpuBudget(
+        policy.cpu_cores or usable_cores(),
+        policy.intra_op_min_flops,
+        policy.blas_min_flops,
+        manage_blas=policy.manage_blas_threads,
+    )
+    if old is not None:
+        budget._user_blas_threads = old._user_blas_threads
+    _budget = budget
+    return budget

@@ -1,0 +1,58 @@
+"""`EnginePolicy`: every scheduling heuristic of the engine, in one place, with its reason.
+
+Each default was set by a figure of ``benchmarks/run.py`` (named beside it) on a 2-core
+machine in the default environment; ``benchmarks/README.md`` records the runs. Change them
+through ``Engine(policy=...)`` and ``set_default_engine``, never by editing constants
+elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePolicy:
+    """How an :class:`~aioautograd.engine.Engine` uses the machine.
+
+    Attributes:
+        cpu_threads: CPU executor worker threads (``None``: the usable cores, at least 2 so
+            that an ``async`` node's continuation never waits behind a long node).
+        cpu_cores: threads that may compute at once, workers, callers and intra-op helpers
+            together (``None``: the usable cores). See ``devices/cpu_budget.py``.
+        manage_blas_threads: keep NumPy's BLAS on one thread while aioautograd computes and
+            split large products over idle cores itself (``concurrent``: 4x slower with
+            BLAS's own threads on 2 cores); the process's BLAS setting is restored whenever
+            no aioautograd thread computes.
+        intra_op_min_flops: products of at least this many floating-point operations are
+            split over idle cores (about 0.15 ms on one core; waking a helper costs ~40 µs;
+            ``mlp``).
+        blas_min_flops: products below this are left alone, uncounted: OpenBLAS runs them on
+            one thread anyway (its threshold is m·n·k < 262,144).
+        worker_nice: CPU workers run this much below the process's priority (Linux), so the
+            event loop's thread gets a core as soon as it wakes (``stall``: longest tick
+            5.9 ms at nice 0, 1.1 ms at +10).
+        inline_budget_s: an awaited CPU backward runs its small nodes on the awaiting thread
+            for at most this long before handing the rest to the executors (0 disables).
+            Saves the two thread hand-offs of a tiny backward (``small_mlp``).
+        inline_max_nodes: graphs with more nodes never start inline (walking them alone
+            would approach the budget).
+        inline_max_elements: a node runs inline only if the gradients it reads and writes
+            have at most this many elements (keeps matrix products off the loop).
+        gil_hold_s: a worker running small nodes back to back lets other threads take the
+            GIL after holding it this long (``stall_chain``: CPython's switch interval is
+            5 ms, so the loop would wait that long).
+        gil_pause_s: how long it lets them.
+    """
+
+    cpu_threads: int | None = None
+    cpu_cores: int | None = None
+    manage_blas_threads: bool = True
+    intra_op_min_flops: float = 3.0e7
+    blas_min_flops: float = 524_288.0
+    worker_nice: int = 10
+    inline_budget_s: float = 0.0
+    inline_max_nodes: int = 256
+    inline_max_elements: int = 1 << 16
+    gil_hold_s: float = 0.002
+    gil_pause_s: float = 0.00002

@@ -1,0 +1,215 @@
+"""The CPU budget: split products equal whole ones, BLAS threads are managed, the count holds."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+import aioautograd as ag
+from aioautograd import nn, optim
+from aioautograd.devices.cpu_budget import CpuBudget, _BlasThreads, cpu_budget
+from aioautograd.nn import functional as F
+
+blas = _BlasThreads()
+needs_blas_control = pytest.mark.skipif(
+    not blas.available, reason="threadpoolctl cannot see NumPy's BLAS here"
+)
+
+
+@pytest.fixture
+def one_blas_thread() -> Iterator[None]:
+    """BLAS on one thread meanwhile, so that the unsplit reference is computed as a chunk is."""
+    saved = blas.get()
+    blas.set(1)
+    yield
+    blas.set(saved)
+
+
+@pytest.mark.usefixtures("one_blas_thread")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64])
+@pytest.mark.parametrize(
+    ("m", "k", "n"),
+    [
+        (256, 784, 512),
+        (10, 256, 512),
+        (7, 300, 513),
+        (1000, 999, 129),
+        (2000, 33, 17),
+        (8192, 1024, 2),
+        (4096, 16, 4096),
+    ],
+)
+def test_split_products_are_bitwise_equal_to_whole_ones(
+    m: int, k: int, n: int, dtype: type
+) -> None:
+    budget = CpuBudget(cores=3, min_split_flops=0.0, manage_blas=False)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k)).astype(dtype)
+    b = rng.standard_normal((k, n)).astype(dtype)
+    operands = [
+        (a, b),
+        (np.asfortranarray(a), b),  # transposed layouts, as backward formulas pass them
+        (a, np.asfortranarray(b)),
+        (np.stack([a, a[::-1]]), b),  # a batch of matrices times one matrix
+    ]
+    for left, right in operands:
+        assert np.array_equal(budget.matmul(left, right), np.matmul(left, right))
+    large = 2 * m * k * n >= 4 * (1 << 21) and max(m, n) >= 128
+    assert (budget.split_products > 0) == large
+
+
+def test_products_that_cannot_split_still_compute() -> None:
+    budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    rng = np.random.default_rng(1)
+    vector = rng.standard_normal(300)
+    batched = rng.standard_normal((3, 300, 200))
+    matrix = rng.standard_normal((200, 300))
+    assert np.array_equal(budget.matmul(matrix, vector), matrix @ vector)
+    assert np.array_equal(budget.matmul(matrix, batched), matrix @ batched)
+    ints = np.arange(12).reshape(3, 4)
+    assert np.array_equal(budget.matmul(ints, ints.T), ints @ ints.T)
+    with pytest.raises(ValueError, match="mismatch"):
+        budget.matmul(matrix, matrix)
+    assert budget.active == 0
+
+
+@needs_blas_control
+def test_blas_runs_on_one_thread_while_counted_and_as_before_after() -> None:
+    saved = blas.get()
+    blas.set(2)
+    try:
+        budget = CpuBudget(cores=2, min_split_flops=1e30)
+        seen: list[int] = []
+
+        def worker() -> None:  # not the thread that first touched the BLAS setting
+            assert budget.enter()
+            seen.append(blas.get())
+            assert not budget.enter()  # already counted: a reentrant run counts nothing
+            budget.leave()
+            seen.append(blas.get())
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+        assert seen == [1, 2]
+        assert budget.active == 0
+    finally:
+        blas.set(saved)
+
+
+def _wait_until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 5
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def test_a_worker_starts_only_when_a_core_is_free() -> None:
+    budget = CpuBudget(cores=1, min_split_flops=1e30, manage_blas=False)
+    events: list[str] = []
+    assert budget.enter()  # this thread takes the only core
+
+    def worker() -> None:
+        budget.enter()
+        events.append("entered")
+        budget.leave()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    time.sleep(0.05)
+    assert events == []  # waiting for the core
+    budget.leave()
+    thread.join(5)
+    assert events == ["entered"]
+    assert budget.active == 0
+    assert budget.peak == 1
+
+
+def test_a_worker_yields_its_core_while_a_caller_overdraws_the_budget() -> None:
+    budget = CpuBudget(cores=1, min_split_flops=1e30, manage_blas=False)
+    events: list[str] = []
+    entered = threading.Event()
+
+    def worker() -> None:
+        budget.enter()
+        entered.set()
+        _wait_until(lambda: budget.over_budget())
+        budget.wait_for_core()
+        events.append("resumed")
+        budget.leave()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    entered.wait(5)
+    with budget._lock:  # a caller's product counts without waiting (an event loop can't)
+        budget._count(1)
+    _wait_until(lambda: budget.active == 1)  # the worker gave its core back
+    assert events == []
+    with budget._lock:
+        budget._count(-1)
+    thread.join(5)
+    assert events == ["resumed"]
+    assert budget.active == 0
+
+
+def _train_step(model: nn.Module, opt: optim.Optimizer, x: ag.Tensor, y: ag.Tensor) -> float:
+    loss = F.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward_sync()
+    opt.step()
+    return loss.item()
+
+
+def _cpu_ticks_by_thread() -> dict[int, int]:
+    ticks = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks[int(tid)] = int(fields[11]) + int(fields[12])  # utime + stime
+    return ticks
+
+
+async def train_four_models_offloaded() -> None:
+    models = []
+    for seed in range(4):
+        ag.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+        opt = optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        models.append((model, opt, ag.randn(256, 256), ag.randint(0, 10, (256,))))
+
+    async def train(model: nn.Module, opt: optim.Optimizer, x: ag.Tensor, y: ag.Tensor) -> None:
+        for _ in range(8):
+            await ag.offload(_train_step, model, opt, x, y)
+
+    await asyncio.gather(*(train(*m) for m in models))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+async def test_concurrent_offloaded_training_stays_within_the_cores() -> None:
+    """Four models trained at once: the threads counted stay within the cores, and threads
+    outside the budget (BLAS's own pool, which spins after each multi-threaded call) take
+    no CPU time."""
+    budget = cpu_budget()
+    # Earlier tests ran products on BLAS's own threads, which spin ~0.1 s after each: let
+    # them go to sleep, so that what is measured is what this training does.
+    await asyncio.sleep(0.3)
+    budget.peak = budget.active
+    before = _cpu_ticks_by_thread()
+    await train_four_models_offloaded()
+    after = _cpu_ticks_by_thread()
+    ours = {thread.native_id for thread in threading.enumerate()}
+    foreign = {tid: after[tid] - before.get(tid, 0) for tid in after if tid not in ours}
+    assert budget.peak <= budget.cores
+    assert sum(after[tid] - before.get(tid, 0) for tid in after) > 0
+    assert all(ticks <= 2 for ticks in foreign.values()), foreign  # 2 ticks: 20 ms
