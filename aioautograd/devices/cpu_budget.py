@@ -381,6 +381,7 @@ _budget_lock = threading.Lock()
 
 def cpu_budget() -> CpuBudget:
     """The process's CPU budget, configured by the default engine's policy."""
+    global _budget
     budget = _budget
     if budget is None:
         with _budget_lock:
@@ -388,21 +389,43 @@ def cpu_budget() -> CpuBudget:
             if budget is None:
                 from aioautograd.engine.policy import EnginePolicy
 
-                budget = configure(EnginePolicy())
+                policy = EnginePolicy()
+                budget = _budget = CpuBudget(
+                    policy.cpu_cores or usable_cores(),
+                    policy.intra_op_min_flops,
+                    policy.blas_min_flops,
+                    manage_blas=policy.manage_blas_threads,
+                )
     return budget
 
 
 def configure(policy: Any) -> CpuBudget:
-    """Install a budget made from an ``EnginePolicy`` (``set_default_engine`` does this)."""
+    """Apply an ``EnginePolicy`` to the process's budget (``set_default_engine`` does this).
+
+    The budget is updated in place: threads counted now stay counted, helpers are reused.
+    """
     global _budget
-    old = _budget
-    budget = CpuBudget(
-        policy.cpu_cores or usable_cores(),
-        policy.intra_op_min_flops,
-        policy.blas_min_flops,
-        manage_blas=policy.manage_blas_threads,
-    )
-    if old is not None:
-        budget._user_blas_threads = old._user_blas_threads
-    _budget = budget
+    cores = policy.cpu_cores or usable_cores()
+    with _budget_lock:
+        budget = _budget
+        if budget is None:
+            budget = _budget = CpuBudget(
+                cores,
+                policy.intra_op_min_flops,
+                policy.blas_min_flops,
+                manage_blas=policy.manage_blas_threads,
+            )
+            return budget
+    with budget._lock:
+        budget.cores = max(1, cores)
+        budget.min_split_flops = policy.intra_op_min_flops
+        budget.min_counted_flops = policy.blas_min_flops
+        if policy.manage_blas_threads and budget._blas is None:
+            budget._blas = _BlasThreads()
+            budget._user_blas_threads = budget._blas.get()
+        elif not policy.manage_blas_threads and budget._blas is not None:
+            if budget.active > 0:
+                budget._blas.set(budget._user_blas_threads)
+            budget._blas = None
+        budget._slot_free.notify_all()
     return budget

@@ -25,6 +25,7 @@ from aioautograd.autograd.node import AccumulateGrad, Edge, Node
 from aioautograd.autograd.saved import describe
 from aioautograd.devices.device import stash_current_streams
 from aioautograd.engine.executor import pause_if_due
+from aioautograd.engine.loop_turns import loop_turns
 from aioautograd.engine.ready_queue import DEPTH_SHIFT, NodeTask, ReadyQueue
 from aioautograd.grad_mode import _grad_enabled
 from aioautograd.profiler.recorder import active_profiler, profile
@@ -319,6 +320,7 @@ class GraphTask:
         try:
             if not completed:
                 await self._done_future  # type: ignore[misc]
+                await loop_turns(loop).take_turn()
         except asyncio.CancelledError:
             self.set_error(asyncio.CancelledError(), None, None, None)
             self._cancel_async_nodes()

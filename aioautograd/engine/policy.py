@@ -51,7 +51,7 @@ class EnginePolicy:
     intra_op_min_flops: float = 3.0e7
     blas_min_flops: float = 524_288.0
     worker_nice: int = 10
-    inline_budget_s: float = 0.0
+    inline_budget_s: float = 0.0005
     inline_max_nodes: int = 256
     inline_max_elements: int = 1 << 16
     gil_hold_s: float = 0.002

@@ -1,0 +1,74 @@
+"""Backward passes that finish together hand control back to their coroutines one loop
+turn at a time (event loop side only).
+
+Why: in natural training code each coroutine runs ``optimizer.step()`` and the next forward
+between two ``await loss.backward()``: a few milliseconds of work on the loop. When several
+passes complete at once (four models trained together), asyncio would resume all their
+coroutines in one iteration, back to back, and a timer or an I/O callback due meanwhile (a
+heartbeat, a health check) would wait for all of them. Here the first coroutine resumes at
+once; each of the others waits for a release that is scheduled as a timer due *now*, so it
+runs after every callback and timer already due: at most one coroutine's work stands between
+the loop and its other duties.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections import deque
+
+
+class LoopTurns:
+    """The turn-taking state of one event loop (see module docstring)."""
+
+    __slots__ = ("__weakref__", "_armed", "_loop", "_waiters")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._armed = False  # a release is scheduled: someone resumed in this turn
+
+    async def take_turn(self) -> None:
+        """Return at once if no coroutine resumed from a backward pass in this turn, else
+        wait for a later turn (FIFO)."""
+        if not self._armed:
+            self._arm()
+            return
+        waiter = self._loop.create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self._arm()  # the turn had been handed to us: hand it on
+            raise
+        # Armed now, as this coroutine's work starts: the next waiter's release is due before
+        # any timer that falls due during that work, and goes after it.
+        self._arm()
+
+    def _arm(self) -> None:
+        self._armed = True
+        loop = self._loop
+        loop.call_at(loop.time(), self._release)
+
+    def _release(self) -> None:
+        waiters = self._waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # stays armed: the woken coroutine arms the next
+                return
+        self._armed = False
+
+
+_turns: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopTurns] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def loop_turns(loop: asyncio.AbstractEventLoop) -> LoopTurns:
+    """The turn-taking state of ``loop`` (made on first use; only that loop's thread calls)."""
+    turns = _turns.get(loop)
+    if turns is None:
+        turns = _turns[loop] = LoopTurns(loop)
+    return turns
