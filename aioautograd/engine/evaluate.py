@@ -155,7 +155,7 @@ def _apply_observed(
         if token is not None:
             current_node.reset(token)
         if graph_task.profiler is not None:
-            graph_task.profiler.record(node, graph_task.id, device, start)
+            graph_task.profiler.record(node, graph_task.id, device, start, graph_task.label)
 
 
 def _finish_outputs(

@@ -28,7 +28,7 @@ from aioautograd.engine.executor import pause_if_due
 from aioautograd.engine.loop_turns import loop_turns
 from aioautograd.engine.ready_queue import DEPTH_SHIFT, NodeTask, ReadyQueue
 from aioautograd.grad_mode import _grad_enabled
-from aioautograd.profiler.recorder import active_profiler, profile
+from aioautograd.profiler.recorder import active_profiler, current_label, profile
 
 if TYPE_CHECKING:
     from aioautograd.devices.device import Device
@@ -119,6 +119,7 @@ class GraphTask:
         self.profiler: profile | None = (
             recorder if recorder is not None or parent is None else parent.profiler
         )
+        self.label = current_label.get() if self.profiler is not None else None
 
     def __repr__(self) -> str:
         return f"<GraphTask {self.id} depth={self.reentrant_depth}>"

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 active_profiler: ContextVar[profile | None] = ContextVar("active_profiler", default=None)
+current_label: ContextVar[str | None] = ContextVar("profiler_label", default=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,7 @@ class NodeEvent:
     start_ns: int
     end_ns: int
     sequence_nr: int
+    label: str | None = None  # the ``record_function`` around the backward pass, if any
 
     @property
     def duration_us(self) -> float:
@@ -61,8 +63,10 @@ class profile:
         active_profiler.reset(self._token)
         self.end_ns = time.perf_counter_ns()
 
-    def record(self, node: Any, graph_task_id: int, device: Any, start_ns: int) -> None:
-        """Called by the engine after a node ran (from the executor thread)."""
+    def record(
+        self, node: Any, graph_task_id: int, device: Any, start_ns: int, label: str | None = None
+    ) -> None:
+        """Called by the engine after a node ran (executor thread, or the loop's inline)."""
         self.events.append(
             NodeEvent(
                 node.name(),
@@ -72,6 +76,7 @@ class profile:
                 start_ns,
                 time.perf_counter_ns(),
                 node.sequence_nr,
+                label,
             )
         )
 
@@ -84,11 +89,17 @@ class profile:
         with open(path, "w") as file:
             json.dump(to_chrome_trace(self.events), file)
 
-    def plot_timeline(self, path: str | None = None, title: str = "aioautograd engine") -> Any:
-        """Draw one lane per executor thread, one colour per graph task (matplotlib)."""
+    def plot_timeline(
+        self,
+        path: str | None = None,
+        title: str = "aioautograd engine",
+        zoom_ms: tuple[float, float] | None = None,
+    ) -> Any:
+        """Draw one lane per thread, one colour per ``record_function`` label (or per graph
+        task without labels), with a zoomed panel of ``zoom_ms`` (matplotlib)."""
         from aioautograd.profiler.trace import plot_timeline
 
-        return plot_timeline(self.events, path, title)
+        return plot_timeline(self.events, path, title, zoom_ms)
 
     def summary(self) -> dict[str, tuple[int, float]]:
         """Node name → (count, total microseconds), most expensive first."""
@@ -97,3 +108,28 @@ class profile:
             count, total = totals.get(event.name, (0, 0.0))
             totals[event.name] = (count + 1, total + event.duration_us)
         return dict(sorted(totals.items(), key=lambda item: -item[1][1]))
+
+
+class record_function:
+    """Label the backward passes started inside the block, in the profiler's events, trace
+    and timeline (PyTorch's ``record_function`` names a region the same way).
+
+    The label is a context variable: it follows ``offload`` calls and stays with the task
+    that set it. Example::
+
+        async def train(name, model):
+            with aioautograd.profiler.record_function(name):
+                ...  # every backward pass here is drawn in this model's colour
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._token: Token[str | None] | None = None
+
+    def __enter__(self) -> record_function:
+        self._token = current_label.set(self.name)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._token is not None
+        current_label.reset(self._token)

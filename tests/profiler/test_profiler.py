@@ -56,3 +56,32 @@ async def test_timeline_png(tmp_path: Path) -> None:
     path = tmp_path / "timeline.png"
     prof.plot_timeline(str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+async def test_record_function_labels_follow_each_models_passes(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from aioautograd.profiler import record_function
+
+    ws = {name: ag.randn(16, 16, requires_grad=True) for name in ("adam", "sgd")}
+
+    def step(w: ag.Tensor) -> None:
+        (w.exp() * 2).sum().backward_sync()
+
+    async def train(name: str) -> None:
+        with record_function(name):
+            await (ws[name] * 3).sum().backward()  # awaited on the loop
+            await ag.offload(step, ws[name])  # in an offloaded step: the label follows
+
+    with profile() as prof:
+        await asyncio.gather(train("adam"), train("sgd"))
+    await (ws["adam"] * 1).sum().backward()  # outside the profiler: not recorded
+    by_label: dict[str | None, set[int]] = {}
+    for event in prof.events:
+        by_label.setdefault(event.label, set()).add(event.graph_task)
+    assert set(by_label) == {"adam", "sgd"}
+    assert all(len(tasks) == 2 for tasks in by_label.values())
+    figure = prof.plot_timeline(str(tmp_path / "timeline.png"), zoom_ms=(0.0, 1.0))
+    legend = figure.axes[0].get_legend()
+    assert sorted(text.get_text() for text in legend.get_texts()) == ["adam", "sgd"]
+    assert len(figure.axes) == 2
+    assert figure.axes[1].get_xlim() == (0.0, 1.0)
