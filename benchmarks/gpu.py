@@ -180,6 +180,8 @@ class _TorchGpuTraining(Case):
         functional = torch.nn.functional
         model = self.models[index]
         params = model["weights"] + model["biases"]
+        if self.threaded:
+            torch.cuda.set_device(0)  # a fresh thread has no current CUDA context yet
         context = torch.cuda.stream(model["stream"]) if self.threaded else contextlib.nullcontext()
         loss = None
         with context:
