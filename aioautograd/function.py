@@ -204,25 +204,19 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
     node = cls._backward_cls.__new__(cls._backward_cls)
     edges: list[Edge] = []
     needs: list[bool] = []
-    device = None
     for arg in args:
-        if isinstance(arg, Tensor):
-            if device is None:
-                device = arg.device
-            if arg._requires_grad:
-                grad_fn = arg.grad_fn
-                edges.append(
-                    (grad_fn, arg._output_nr)
-                    if grad_fn is not None
-                    else (arg._get_grad_accumulator(), 0)
-                )
-                needs.append(True)
-                continue
+        if isinstance(arg, Tensor) and arg._requires_grad:
+            grad_fn = arg.grad_fn
+            edges.append(
+                (grad_fn, arg._output_nr)
+                if grad_fn is not None
+                else (arg._get_grad_accumulator(), 0)
+            )
+            needs.append(True)
+            continue
         edges.append(_NO_EDGE)
         needs.append(False)
     Node.__init__(node, tuple(edges))
-    if device is not None and device.backend.has_streams:
-        node._stream = device.current_stream()
     node.needs_input_grad = tuple(needs)
 
     token = _grad_enabled.set(False)
@@ -242,7 +236,12 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
             check_inplace(out)
             out._bump_version()
         data = out.data
-        metadata.append((data.shape, data.dtype, out.device))
+        out_device = out.device
+        metadata.append((data.shape, data.dtype, out_device))
+        if node._stream is None and out_device.backend.has_streams:
+            # As PyTorch: the node's stream is that of its outputs' device (where its
+            # gradients arrive), current at forward; a copy to the CPU has none.
+            node._stream = out_device.current_stream()
         if data.dtype.kind in "fc" and not (non_diff and any(out is n for n in non_diff)):
             out.grad_fn = node
             out._output_nr = output_nr

@@ -414,7 +414,7 @@ def load_aio_mlp(case: Any, params: Params, device: str = "cpu") -> list[ag.Tens
     """Set ``weights``, ``biases``, ``inputs``, ``targets``, ``one_hot`` on ``case`` as
     aioautograd tensors of the shared MLP data on ``device``; return the leaves (weights +
     biases)."""
-    data = mlp_data(params["widths"], params["batch"])
+    data = mlp_data(params["widths"], params["batch"], seed=params.get("seed", 0))
     case.weights = [ag.tensor(w, device=device, requires_grad=True) for w in data.weights]
     case.biases = [ag.tensor(b, device=device, requires_grad=True) for b in data.biases]
     case.inputs = ag.tensor(data.inputs, device=device)
@@ -645,16 +645,52 @@ def _no_torch_gpu() -> str | None:
 
 
 # SPEC §8's GPU figure: the MLP step on CuPy against torch on CUDA (skipped without a GPU).
+_GPU_MLP_IMPLS = (
+    Impl(SUBJECT, lambda p: _AioMlp(p, "cuda:0"), ("cupy",), unavailable=_no_cupy_gpu),
+    Impl("torch", lambda p: _TorchMlp(p, "cuda"), ("torch",), unavailable=_no_torch_gpu),
+)
+
 register(
     Workload(
         name="gpu_mlp",
         description="the mlp step on cuda:0: aioautograd on CuPy vs torch CUDA",
         sizes=MLP_SIZES,
         repeats={"full": (10, 100), "quick": (3, 20), "tiny": (0, 1)},
-        impls=(
-            Impl(SUBJECT, lambda p: _AioMlp(p, "cuda:0"), ("cupy",), unavailable=_no_cupy_gpu),
-            Impl("torch", lambda p: _TorchMlp(p, "cuda"), ("torch",), unavailable=_no_torch_gpu),
-        ),
+        impls=_GPU_MLP_IMPLS,
+        summary=_mlp_summary,
+    )
+)
+
+# The same step where the GPU, not the host, sets the pace: 4096 wide, batch 1024.
+register(
+    Workload(
+        name="gpu_mlp_wide",
+        description="SGD step of an MLP 4096-4096-4096-10, batch 1024, float32, on cuda:0: "
+        "aioautograd on CuPy vs torch CUDA",
+        sizes={
+            "full": {"widths": [4096, 4096, 4096, 10], "batch": 1024},
+            "quick": {"widths": [4096, 4096, 4096, 10], "batch": 1024},
+            "tiny": {"widths": [12, 16, 16, 10], "batch": 4},
+        },
+        repeats={"full": (10, 50), "quick": (3, 10), "tiny": (0, 1)},
+        impls=_GPU_MLP_IMPLS,
+        summary=_mlp_summary,
+    )
+)
+
+# And at batch 4096, where the GPU's time per step is well above the host's.
+register(
+    Workload(
+        name="gpu_mlp_wide_b4096",
+        description="SGD step of an MLP 4096-4096-4096-10, batch 4096, float32, on cuda:0: "
+        "aioautograd on CuPy vs torch CUDA",
+        sizes={
+            "full": {"widths": [4096, 4096, 4096, 10], "batch": 4096},
+            "quick": {"widths": [4096, 4096, 4096, 10], "batch": 4096},
+            "tiny": {"widths": [12, 16, 16, 10], "batch": 4},
+        },
+        repeats={"full": (5, 30), "quick": (2, 5), "tiny": (0, 1)},
+        impls=_GPU_MLP_IMPLS,
         summary=_mlp_summary,
     )
 )
@@ -662,4 +698,4 @@ register(
 
 # The concurrent-training, event-loop-stall and distributed figures (registered on import,
 # after the ones above so that the registry keeps SPEC §8's order).
-from benchmarks import concurrency, distributed  # noqa: E402, F401
+from benchmarks import concurrency, distributed, gpu  # noqa: E402, F401

@@ -243,7 +243,7 @@ def accumulate_grad(variable: Tensor, grad: Tensor) -> None:
         return
     if old is None:
         variable._grad = grad if _exclusively_owned(grad) else _detached_copy(grad)
-    elif old.grad_fn is None and old.data.flags.writeable:
+    elif old.grad_fn is None and _writeable(old.data):
         old.xp.add(old.data, grad.data, out=old.data)
         old._bump_version()
     else:
@@ -262,10 +262,15 @@ def _exclusively_owned(grad: Tensor) -> bool:
         grad.grad_fn is None
         and grad._base is None
         and data.base is None
-        and data.flags.writeable
+        and _writeable(data)
         and sys.getrefcount(grad) <= 4
         and sys.getrefcount(data) <= 3
     )
+
+
+def _writeable(array: Any) -> bool:
+    # CuPy's flags have no ``writeable``: its arrays always are.
+    return bool(getattr(array.flags, "writeable", True))
 
 
 def _detached_copy(tensor: Tensor) -> Tensor:

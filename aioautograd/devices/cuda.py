@@ -17,7 +17,10 @@ import numpy as np
 from aioautograd.devices.device import Backend, Device
 from aioautograd.devices.streams import Event, Stream
 
-_INSTALL_HINT = "install the CUDA extra with `pip install aioautograd[cuda]`"
+_INSTALL_HINT = (
+    "install the CUDA extra with `pip install aioautograd[cuda]` "
+    "(`aioautograd[cuda13]` for a CUDA 13 driver)"
+)
 
 
 def _import_cupy() -> Any:
@@ -26,7 +29,7 @@ def _import_cupy() -> Any:
     except ImportError as exc:
         raise RuntimeError(
             f"CUDA device requested but CuPy is not installed: {_INSTALL_HINT} "
-            "(on a machine with an NVIDIA GPU and CUDA 12)"
+            "(on a machine with an NVIDIA GPU and CUDA 12 or 13)"
         ) from exc
     return cupy
 
@@ -122,8 +125,10 @@ class CudaBackend(Backend):
             return self.xp.asarray(array)
 
     def current_stream(self, index: int | None) -> CudaStream:
-        with self.xp.cuda.Device(index):
-            return CudaStream(Device("cuda", index), self.xp.cuda.get_current_stream())
+        # Read for every recorded node: ask for the device's stream directly, without
+        # switching the current device (two runtime calls) as ``with Device(index)`` would.
+        raw = self.xp.cuda.get_current_stream(0 if index is None else index)
+        return CudaStream(Device("cuda", index), raw)
 
     def new_stream(self, index: int | None) -> CudaStream:
         with self.xp.cuda.Device(index):

@@ -32,13 +32,16 @@ def accumulate(
     if producer is None and consumer is None:  # CPU
         buffer[position] = grad if old is None else old + grad
         return
-    if (
-        consumer is not None
-        and producer is not None
-        and consumer != producer
-        and (grad.device is consumer.device)
-    ):
-        consumer.wait_event(producer.record_event())
+    if consumer is not None and grad.device is consumer.device:
+        if producer is not None and producer.device is grad.device:
+            if consumer != producer:
+                consumer.wait_event(producer.record_event())
+        else:
+            # The gradient was copied here by a node of another device (a CPU node's
+            # ``.to(cuda)``): the copy went to this thread's current stream of the device.
+            current = grad.device.current_stream()
+            if current is not None:
+                consumer.wait_stream(current)
     if old is None:
         buffer[position] = grad
         return

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from aioautograd.devices.device import Device
 from aioautograd.factories import as_tensor, generator
 from aioautograd.grad_mode import is_grad_enabled
 from aioautograd.ops import reduction, unary
@@ -267,7 +268,10 @@ class CrossEntropy(Op):
         shifted = input.data - input.data.max(axis=dim, keepdims=True)
         log_probs = shifted - xp.log(xp.exp(shifted).sum(axis=dim, keepdims=True))
         if setup.class_indices:
-            losses, denominator = _class_index_losses(xp, log_probs, target.data, setup)
+            losses, denominator, class_targets = _class_index_losses(
+                xp, log_probs, target.data, setup, input.device
+            )
+            ctx.class_targets = class_targets
         else:
             losses, denominator = _probability_losses(xp, log_probs, target.data, setup)
         if ctx.needs_input_grad:
@@ -327,14 +331,11 @@ def _class_index_grad(ctx: Any, xp: Any, g: Any, setup: _CrossEntropySetup) -> T
     input_data, target, log_probs = ctx.saved_arrays
     probs = xp.exp(log_probs)
     if setup.weight is None and not setup.label_smoothing and probs.ndim == 2:
-        # q is the one-hot of the target (zero on ignored rows): subtract it in place.
-        rows = xp.arange(target.shape[0])
-        valid = target != setup.ignore_index
-        if bool(valid.all()):
-            probs[rows, target] -= 1
-        else:
-            probs *= xp.expand_dims(valid, 1)
-            probs[rows[valid], target[valid]] -= 1
+        # q is the one-hot of the target (zero on ignored rows): subtract it in place. No
+        # branch on the data (a host sync on a GPU): ignored rows are zeroed and subtract 0.
+        safe, target_weight = ctx.class_targets  # forward's
+        probs *= xp.expand_dims(target_weight, 1)
+        probs[xp.arange(target.shape[0]), safe] -= target_weight
         probs *= g
         return wrap(probs, ctx.saved_device)
     device = ctx.saved_device
@@ -343,26 +344,38 @@ def _class_index_grad(ctx: Any, xp: Any, g: Any, setup: _CrossEntropySetup) -> T
 
 
 def _target_weights(
-    xp: Any, target: Any, setup: _CrossEntropySetup, dtype: Any
+    xp: Any, target: Any, setup: _CrossEntropySetup, dtype: Any, device: Device
 ) -> tuple[Any, Any, Any]:
     """``(valid, safe_target, target_weight)`` per position: ignored positions are not valid,
-    point at class 0 and weigh 0."""
+    point at class 0 and weigh 0.
+
+    A class index out of range raises ``IndexError`` on the CPU. On an accelerator that
+    check would block the host until the device has caught up (as PyTorch, which asserts on
+    the device instead): there such a position points at class 0 and weighs NaN, so that the
+    loss and its gradient are NaN.
+    """
     valid = target != setup.ignore_index
     safe = xp.where(valid, target, 0)
+    out_of_range = (safe < 0) | (safe >= setup.num_classes)
+    if device.has_streams:
+        safe = xp.where(out_of_range, 0, safe)
+    elif bool(out_of_range.any()):
+        raise IndexError(f"Target {int(target[out_of_range].ravel()[0])} is out of bounds.")
     if setup.weight is None:
-        return valid, safe, valid.astype(dtype)
-    return valid, safe, xp.where(valid, setup.weight[safe], 0).astype(dtype, copy=False)
+        target_weight = valid.astype(dtype)
+    else:
+        target_weight = xp.where(valid, setup.weight[safe], 0).astype(dtype, copy=False)
+    if device.has_streams:
+        target_weight = xp.where(out_of_range, np.nan, target_weight)
+    return valid, safe, target_weight
 
 
 def _class_index_losses(
-    xp: Any, log_probs: Any, target: Any, setup: _CrossEntropySetup
-) -> tuple[Any, Any]:
+    xp: Any, log_probs: Any, target: Any, setup: _CrossEntropySetup, device: Device
+) -> tuple[Any, Any, tuple[Any, Any]]:
+    """Per-position losses, their total weight, and ``(safe_target, target_weight)``."""
     dim, smoothing = setup.class_dim, setup.label_smoothing
-    out_of_range = (target < 0) | (target >= setup.num_classes)
-    out_of_range &= target != setup.ignore_index
-    if bool(out_of_range.any()):
-        raise IndexError(f"Target {int(target[out_of_range].ravel()[0])} is out of bounds.")
-    valid, safe, target_weight = _target_weights(xp, target, setup, log_probs.dtype)
+    valid, safe, target_weight = _target_weights(xp, target, setup, log_probs.dtype, device)
     picked = xp.take_along_axis(log_probs, xp.expand_dims(safe, dim), axis=dim)
     losses = -(1.0 - smoothing) * target_weight * picked.squeeze(dim)
     if smoothing:
@@ -371,7 +384,7 @@ def _class_index_losses(
             weighted = log_probs * setup.weight.reshape(setup.broadcast_shape(log_probs.ndim))
         smooth = -weighted.sum(axis=dim) * valid
         losses = losses + (smoothing / setup.num_classes) * smooth
-    return losses, target_weight.sum()
+    return losses, target_weight.sum(), (safe, target_weight)
 
 
 def _class_index_distribution(
@@ -381,7 +394,7 @@ def _class_index_distribution(
 ) -> tuple[Tensor, Tensor]:
     """The constant ``q`` (input's shape) and ``sum_c q`` (class dim kept) of class targets."""
     xp, dim, smoothing = input.xp, setup.class_dim, setup.label_smoothing
-    valid, safe, target_weight = _target_weights(xp, target.data, setup, input.dtype)
+    valid, safe, target_weight = _target_weights(xp, target.data, setup, input.dtype, input.device)
     if setup.weight is None:
         weight_sum, weight = setup.num_classes, 1.0
     else:

@@ -32,11 +32,14 @@ def keep_where(xp: Any, mask: Any, values: Any) -> Any:
 
     ``where`` branches per element and is ~20x slower than a multiplication by the boolean
     mask on CPU; the product is exact whenever ``values`` is finite (``inf * 0`` would be
-    NaN), which is checked first.
+    NaN), which is checked first. On a GPU that check would block the host until the device
+    has caught up (a sync inside every ReLU backward), and ``where`` is one kernel as fast as
+    the product: there ``where`` it is.
     """
     values = xp.asarray(values)
     if (
-        values.dtype.kind in "fc"
+        xp is np
+        and values.dtype.kind in "fc"
         and (
             values.shape == mask.shape
             or values.shape == xp.broadcast_shapes(values.shape, mask.shape)
@@ -57,18 +60,20 @@ def binary_operands(a: Any, b: Any) -> tuple[Any, Any, Device]:
                     f"devices, {a.device} and {b.device}! Move one with .to(device)."
                 )
             return a.data, b.data, a.device
-        return a.data, _scalar(b, a.device), a.device
+        return a.data, device_operand(b, a.device), a.device
     if isinstance(b, Tensor):
-        return _scalar(a, b.device), b.data, b.device
+        return device_operand(a, b.device), b.data, b.device
     raise TypeError(
         f"expected at least one Tensor operand, got {type(a).__name__} and {type(b).__name__}"
     )
 
 
-def _scalar(value: Any, device: Device) -> Any:
+def device_operand(value: Any, device: Device) -> Any:
+    """A non-tensor operand as ``device``'s ops take it: Python scalars as they are, arrays
+    and NumPy scalars as arrays on ``device`` (a NumPy constant next to a CUDA tensor is
+    copied to the GPU). Ops that keep such an operand for their backward keep this one."""
     if isinstance(value, (int, float, bool, complex)):
         return value
-    # Arrays and NumPy scalars: keep them on the tensor's device.
     return device.xp.asarray(value)
 
 

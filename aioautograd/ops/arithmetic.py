@@ -50,7 +50,7 @@ class Mul(Op):
                 a if needs[1] and isinstance(a, Tensor) else None,
                 b if needs[0] and isinstance(b, Tensor) else None,
             )
-            ctx.scalars = (a, b)
+            ctx.scalars = _operands_kept(a, b, a_data, b_data)
         return wrap(device.xp.multiply(a_data, b_data), device)
 
     @staticmethod
@@ -78,7 +78,7 @@ class Div(Op):
         needs = ctx.needs_input_grad
         if needs:
             ctx.save_for_backward(b if isinstance(b, Tensor) else None, out if needs[1] else None)
-            ctx.divisor = b
+            ctx.divisor = b if isinstance(b, Tensor) else b_data
         return out
 
     @staticmethod
@@ -103,7 +103,7 @@ class Pow(Op):
                 b if isinstance(b, Tensor) else None,
                 out if needs[1] else None,
             )
-            ctx.scalars = (a, b)
+            ctx.scalars = _operands_kept(a, b, a_data, b_data)
         return out
 
     @staticmethod
@@ -115,7 +115,7 @@ class Pow(Op):
         if needs[0]:
             assert a is not None
             if b is None:  # scalar exponent
-                grad_a = grad * 0.0 if scalar_b == 0 else grad * (scalar_b * a ** (scalar_b - 1))
+                grad_a = grad * 0.0 if scalar_b == 0 else grad * (a ** (scalar_b - 1) * scalar_b)
             else:
                 grad_a = where(b == 0, 0.0, grad * b * a ** (b - 1))
         if needs[1]:
@@ -144,7 +144,7 @@ class Maximum(Op):
     def forward(ctx: FunctionCtx, a: Any, b: Any) -> Tensor:
         a_data, b_data, device = binary_operands(a, b)
         ctx.save_for_backward(*(t if isinstance(t, Tensor) else None for t in (a, b)))
-        ctx.operands = (a, b)  # type: ignore[attr-defined]
+        ctx.operands = _operands_kept(a, b, a_data, b_data)  # type: ignore[attr-defined]
         return wrap(device.xp.maximum(a_data, b_data), device)
 
     @staticmethod
@@ -157,7 +157,7 @@ class Minimum(Op):
     def forward(ctx: FunctionCtx, a: Any, b: Any) -> Tensor:
         a_data, b_data, device = binary_operands(a, b)
         ctx.save_for_backward(*(t if isinstance(t, Tensor) else None for t in (a, b)))
-        ctx.operands = (a, b)  # type: ignore[attr-defined]
+        ctx.operands = _operands_kept(a, b, a_data, b_data)  # type: ignore[attr-defined]
         return wrap(device.xp.minimum(a_data, b_data), device)
 
     @staticmethod
@@ -203,6 +203,12 @@ class Where(Op):
         grad_a = where(condition, grad, 0.0) if needs[1] else None
         grad_b = where(condition, 0.0, grad) if needs[2] else None
         return None, grad_a, grad_b
+
+
+def _operands_kept(a: Any, b: Any, a_data: Any, b_data: Any) -> tuple[Any, Any]:
+    """The non-tensor operands a backward needs, as forward used them (on the device);
+    ``None`` for tensors (those are saved with ``save_for_backward``)."""
+    return (None if isinstance(a, Tensor) else a_data, None if isinstance(b, Tensor) else b_data)
 
 
 def _is_zero(value: Any) -> bool:

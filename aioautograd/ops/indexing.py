@@ -3,7 +3,7 @@
 Basic indexing (ints, slices, ``None``, ``...``) returns a view; advanced indexing (integer
 arrays, lists or tensors, boolean masks, mixed with basic items) returns a copy. The backward
 of every gathering op scatters the gradient into zeros, *adding* at repeated indices
-(``numpy.add.at``, ``cupyx.scatter_add``), and the backward of that scatter is the gather
+(``numpy.add.at``, ``cupy.add.at``), and the backward of that scatter is the gather
 again, so second derivatives work.
 """
 
@@ -18,14 +18,9 @@ from aioautograd.ops._util import Op, wrap
 from aioautograd.tensor import Tensor
 
 
-def _add_at(out: Any, index: Any, values: Any) -> None:
-    """``out[index] += values`` where repeated indices accumulate."""
-    if isinstance(out, np.ndarray):
-        np.add.at(out, index, values)
-    else:
-        import cupyx  # type: ignore[import-not-found, unused-ignore]  # CUDA only
-
-        cupyx.scatter_add(out, index, values)
+def _add_at(xp: Any, out: Any, index: Any, values: Any) -> None:
+    """``out[index] += values`` where repeated indices accumulate (``xp.add.at``)."""
+    xp.add.at(out, index, values)
 
 
 def _is_basic(index: Any) -> bool:
@@ -101,7 +96,7 @@ class IndexPut(Op):
         if _is_basic(index):
             out[index] = grad.data
         else:
-            _add_at(out, index, grad.data)
+            _add_at(grad.xp, out, index, grad.data)
         return Tensor(out, grad.device)
 
     @staticmethod
@@ -146,7 +141,7 @@ class ScatterAdd(Op):
         ctx.dim = dim
         ctx.save_for_backward(index)
         out = src.xp.zeros(shape, dtype=src.dtype)
-        _add_at(out, _gather_index(src.xp, index.data, dim), src.data)
+        _add_at(src.xp, out, _gather_index(src.xp, index.data, dim), src.data)
         return Tensor(out, src.device)
 
     @staticmethod
@@ -176,7 +171,7 @@ class IndexAdd(Op):
         ctx.dim = dim
         ctx.save_for_backward(index)
         out = src.xp.zeros(shape, dtype=src.dtype)
-        _add_at(out, (slice(None),) * dim + (index.data,), src.data)
+        _add_at(src.xp, out, (slice(None),) * dim + (index.data,), src.data)
         return Tensor(out, src.device)
 
     @staticmethod

@@ -9,7 +9,7 @@ import numpy as np
 
 from aioautograd.function import check_inplace
 from aioautograd.grad_mode import is_grad_enabled
-from aioautograd.ops._util import Op, as_tensor_like
+from aioautograd.ops._util import Op, as_tensor_like, device_operand
 from aioautograd.tensor import Tensor
 
 
@@ -30,7 +30,7 @@ def _check_target(x: Tensor, *sources: Any) -> None:
 class AddInplace(Op):
     @staticmethod
     def forward(ctx: Any, x: Tensor, other: Any, alpha: float) -> Tensor:
-        other_data = other.data if isinstance(other, Tensor) else other
+        other_data = other.data if isinstance(other, Tensor) else device_operand(other, x.device)
         if alpha != 1:
             other_data = other_data * alpha
         x.xp.add(x.data, other_data, out=x.data, casting="same_kind")
@@ -51,12 +51,12 @@ class MulInplace(Op):
     @staticmethod
     def forward(ctx: Any, x: Tensor, other: Any) -> Tensor:
         needs = ctx.needs_input_grad
-        other_data = other.data if isinstance(other, Tensor) else other
+        other_data = other.data if isinstance(other, Tensor) else device_operand(other, x.device)
         if needs:
             # d(x*other)/d(other) needs x *before* the update.
             original = Tensor(x.data.copy(), x.device) if needs[1] else None
             ctx.save_for_backward(original, other if isinstance(other, Tensor) else None)
-            ctx.scalar = other
+            ctx.scalar = other_data
         x.xp.multiply(x.data, other_data, out=x.data, casting="same_kind")
         ctx.mark_dirty(x)
         return x

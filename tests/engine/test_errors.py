@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -80,9 +83,26 @@ async def test_gradient_that_is_not_a_tensor() -> None:
         await (x * 2).backward(np.ones(3))  # type: ignore[arg-type]
 
 
-async def test_cuda_without_cupy_or_gpu_says_how_to_fix() -> None:
-    with pytest.raises(RuntimeError, match=r"aioautograd\[cuda\]|no GPU is visible"):
-        ag.randn(3, device="cuda")
+def test_cuda_without_cupy_or_gpu_says_how_to_fix() -> None:
+    from aioautograd.devices import cuda
+
+    if not cuda.is_available():
+        with pytest.raises(RuntimeError, match=r"aioautograd\[cuda\]|no GPU is visible"):
+            ag.randn(3, device="cuda")
+        return
+    # A GPU is visible here: hide it from a fresh interpreter, which must then say so.
+    code = (
+        "import aioautograd as ag\n"
+        "try:\n"
+        "    ag.randn(3, device='cuda')\n"
+        "except RuntimeError as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert "no GPU is visible" in result.stdout, result.stdout + result.stderr
 
 
 async def test_node_error_keeps_type_and_names_the_node() -> None:

@@ -343,6 +343,24 @@ def test_cross_entropy_validates_arguments(
         F.cross_entropy(leaf(randn(2, 3)), target, weight, **kwargs)
 
 
+async def test_cross_entropy_out_of_range_target_gives_nan_on_an_accelerator(
+    device: str,
+) -> None:
+    # Checking the range would block the host until the device caught up: on an
+    # accelerator the offending rows give NaN losses and gradients instead of IndexError.
+    if device == "cpu":
+        pytest.skip("the CPU raises IndexError (test_cross_entropy_validates_arguments)")
+    x = leaf(randn(3, 4), device)
+    target = ag.tensor([0, 7, 1], device=device)
+    assert np.isnan(F.cross_entropy(x, target).item())
+    loss = F.cross_entropy(x, target, reduction="sum")
+    assert np.isnan(loss.item())
+    await loss.backward()
+    grad = to_numpy(x.grad)
+    assert np.isnan(grad[1]).all()
+    assert np.isfinite(grad[[0, 2]]).all()
+
+
 def test_cross_entropy_rejects_weight_requiring_grad() -> None:
     weight = leaf(np.ones(3))
     with pytest.raises(RuntimeError, match="derivative for 'weight' is not implemented"):
