@@ -30,6 +30,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from asyncio import _get_running_loop
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -129,6 +130,8 @@ class CpuBudget:
         self.active = 0
         self.peak = 0  # the most threads ever counted at once (tests check the budget)
         self.split_products = 0  # products run in parts (observability)
+        self.split_backoffs = 0  # times splitting paused because helpers were starved
+        self._no_split_until = 0.0
         self._blas = _BlasThreads() if manage_blas else None
         self._user_blas_threads = self._blas.get() if self._blas is not None else 1
         self._idle_helpers: list[_Helper] = []
@@ -233,7 +236,12 @@ class CpuBudget:
         if flops < self.min_counted_flops:
             return np.matmul(a, b)
         split_size = 0  # the length of the dimension the product is cut along
-        if flops >= self.min_split_flops and a.ndim >= 2 and b.ndim == 2:
+        if (
+            flops >= self.min_split_flops
+            and a.ndim >= 2
+            and b.ndim == 2
+            and time.perf_counter() >= self._no_split_until
+        ):
             split_size = max(a.shape[-2], b.shape[1])
         counted = _thread.counted
         with self._lock:
@@ -264,8 +272,16 @@ class CpuBudget:
         job = _SplitProduct(a, b, out, rows >= cols, CHUNKS_PER_THREAD * (len(helpers) + 1))
         for helper in helpers:
             helper.inbox.put(job)
+        started = time.perf_counter()
         job.run_chunks()
+        ran = time.perf_counter()
         job.wait()
+        waited = time.perf_counter() - ran
+        if waited > max(STARVED_WAIT_S, ran - started):
+            # The helpers got no core in time (other processes keep the machine busy): stop
+            # splitting for a while, a starved helper only delays the product.
+            self.split_backoffs += 1
+            self._no_split_until = ran + waited + SPLIT_BACKOFF_S
         self.split_products += 1
         return out
 
@@ -292,6 +308,12 @@ MIN_CHUNK_MACS = 1 << 21
 # instead of holding the others back for its whole share, as a static split (and OpenBLAS's
 # own threads: 7.5 ms instead of 1.4 for 256x784 @ 784x512 with the other core busy) does.
 CHUNKS_PER_THREAD = 4
+# A thread that asked for a split product and then waits for the helpers longer than this
+# (and longer than it computed itself) concludes they are starved of CPU and computes whole
+# products for SPLIT_BACKOFF_S: a quiet machine never waits that long; a loaded one (a
+# busy server beside the training, other processes) would wait on every product.
+STARVED_WAIT_S = 0.0005
+SPLIT_BACKOFF_S = 0.5
 
 
 class _SplitProduct:
