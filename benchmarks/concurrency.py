@@ -553,7 +553,7 @@ class _StallCase(Case):
 class _AioStall(_StallCase):
     """``await loss.backward()``; optionally with NumPy's BLAS limited to ``blas_threads``,
     the interpreter's GIL switch interval set to ``switch_interval_s`` during the backward, or
-    on an engine of its own whose CPU workers run at ``worker_nice`` (the default engine's: 10)."""
+    on an engine of its own whose CPU workers run at ``worker_nice`` (the default engine's: 0)."""
 
     def __init__(
         self,
@@ -814,8 +814,8 @@ _STALL_IMPLS = (
 _STALL_MLP_IMPLS = (
     *_STALL_IMPLS[:3],
     Impl(
-        f"{SUBJECT}-nice0",
-        lambda params: _AioStall(params, worker_nice=0),
+        f"{SUBJECT}-nice10",
+        lambda params: _AioStall(params, worker_nice=10),
         main_table=False,
     ),
     Impl(

@@ -114,6 +114,11 @@ class CpuBudget:
         manage_blas: keep NumPy's BLAS on one thread while aioautograd computes.
     """
 
+    # Called by counted threads before each large product: the engine installs its worker
+    # pause here (``executor.pause_if_due``), so a step offloaded to a worker also lets the
+    # event loop's thread in regularly.
+    yield_point: Callable[[], None] = staticmethod(lambda: None)
+
     def __init__(
         self,
         cores: int,
@@ -244,6 +249,8 @@ class CpuBudget:
         ):
             split_size = max(a.shape[-2], b.shape[1])
         counted = _thread.counted
+        if counted:
+            self.yield_point()
         with self._lock:
             if not counted:
                 self._count(1)

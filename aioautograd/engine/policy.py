@@ -29,9 +29,12 @@ class EnginePolicy:
             ``mlp``).
         blas_min_flops: products below this are left alone, uncounted: OpenBLAS runs them on
             one thread anyway (its threshold is m·n·k < 262,144).
-        worker_nice: CPU workers run this much below the process's priority (Linux), so the
-            event loop's thread gets a core as soon as it wakes (``stall``: longest tick
-            5.9 ms at nice 0, 1.1 ms at +10).
+        worker_nice: CPU workers run this much below the process's priority (Linux). 0 by
+            default: at +10 the workers lost most of their CPU to any other busy process
+            (the aiohttp app under wrk load trained at 5 steps/s instead of 21), while the
+            loop's latency on an otherwise idle machine was the same at 0 and +10 once the
+            budget removed BLAS's spinning threads (``stall``, ``concurrent``); the workers'
+            pauses (``gil_hold_s``) let the loop in.
         inline_budget_s: an awaited CPU backward runs its small nodes on the awaiting thread
             for at most this long before handing the rest to the executors (0 disables).
             Saves the two thread hand-offs of a tiny backward (``small_mlp``).
@@ -39,9 +42,11 @@ class EnginePolicy:
             would approach the budget).
         inline_max_elements: a node runs inline only if the gradients it reads and writes
             have at most this many elements (keeps matrix products off the loop).
-        gil_hold_s: a worker running small nodes back to back lets other threads take the
-            GIL after holding it this long (``stall_chain``: CPython's switch interval is
-            5 ms, so the loop would wait that long).
+        gil_hold_s: a worker lets other threads take the GIL, and a core, after running
+            this long (checked after every node and before every large product of an
+            offloaded step): CPython's switch interval is 5 ms, and with every core busy
+            the kernel took 3-4 ms to give the event loop's thread one (``stall_chain``,
+            ``concurrent``).
         gil_pause_s: how long it lets them.
     """
 
@@ -50,7 +55,7 @@ class EnginePolicy:
     manage_blas_threads: bool = True
     intra_op_min_flops: float = 3.0e7
     blas_min_flops: float = 524_288.0
-    worker_nice: int = 10
+    worker_nice: int = 0
     inline_budget_s: float = 0.0005
     inline_max_nodes: int = 256
     inline_max_elements: int = 1 << 16

@@ -65,7 +65,7 @@ def training_step(run: Run, x: ag.Tensor, y: ag.Tensor) -> float:
     run.optimizer.zero_grad()
     loss.backward_sync()
     run.optimizer.step()
-    return loss.item()
+    return float(loss.item())
 
 
 async def train_one(
