@@ -187,7 +187,7 @@ def _plot_losses(runs: list[Run], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--output", type=Path, default=Path("demo_output"))
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()

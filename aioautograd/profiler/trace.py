@@ -99,7 +99,9 @@ def plot_timeline(
             axes.set_title(f"{title}: {len(events)} nodes, {graph_tasks} graph tasks")
     if len(keys) <= 20:
         handles = [Patch(color=color_of[k], label=k) for k in keys]
-        axes_list[0, 0].legend(handles=handles, loc="upper right", fontsize="small")
+        axes_list[0, 0].legend(
+            handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small"
+        )
     figure.tight_layout()
     if path is not None:
         figure.savefig(path, dpi=100)
