@@ -314,7 +314,9 @@ MIN_CHUNK_MACS = 1 << 21
 # another process (or a higher priority) slows down delays the product by one chunk at most,
 # instead of holding the others back for its whole share, as a static split (and OpenBLAS's
 # own threads: 7.5 ms instead of 1.4 for 256x784 @ 784x512 with the other core busy) does.
-CHUNKS_PER_THREAD = 4
+# Each chunk packs its operands again, so more chunks cost more on a quiet machine: on 2 cores,
+# 256x784 @ 784x1024 took 2.5 ms in 2 chunks, 2.7 in 8, 2.2-2.5 with OpenBLAS's 2 threads.
+CHUNKS_PER_THREAD = 2
 # A thread that asked for a split product and then waits for the helpers longer than this
 # (and longer than it computed itself) concludes they are starved of CPU and computes whole
 # products for SPLIT_BACKOFF_S: a quiet machine never waits that long; a loaded one (a
