@@ -1,0 +1,200 @@
+"""Instructions per node (or per op, or per step) of one workload, counted by callgrind.
+
+Wall-clock figures move by 2x on a busy 2-core machine; instruction counts do not. This script
+runs a workload of ``benchmarks/workloads.py`` under ``valgrind --tool=callgrind`` and splits
+the count into phases with markers: each marker is a call of ``os.getppid()``, and callgrind
+(``--dump-before=os_getppid``) writes one profile per marker, holding the instructions
+executed by every thread since the previous one. The phases of one repeat are the case's
+``prepare()`` (graph building: the forward for the backward-only figures) and its ``run()``
+(the timed region of ``benchmarks/run.py``); warm-up repeats run first, uncounted.
+
+Usage::
+
+    python benchmarks/callgrind.py chain                 # aioautograd, full size
+    python benchmarks/callgrind.py chain fan small_mlp --impl aioautograd,autograd,mygrad
+    python benchmarks/callgrind.py chain --size quick --repeats 3 --json
+
+Output: one line per workload and implementation with the instructions of ``run()`` per node
+(``nodes`` of the case: ops of a chain or a fan, not counting AccumulateGrad) or per step
+where the case has no node count, and of ``prepare()`` per node (the forward per op for the
+backward-only figures), the median over the repeats (they agree to within a few hundred
+instructions); ``--json`` prints the phases' raw counts too.
+
+Conditions: ``PYTHONHASHSEED=0`` (set iteration order is fixed), a full garbage collection
+before each counted phase (so that no phase inherits another's garbage), BLAS and OpenMP
+pools at one thread (a spinning idle pool would count instructions that are not the
+workload's). callgrind runs about 50-100x slower than native: the 10,000-node chain takes
+about half a minute per implementation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+_MARKER_SYMBOL = "os_getppid"  # the C function behind os.getppid(), CPython's posixmodule
+_TOTALS = re.compile(rb"^(?:totals|summary):\s+(\d+)", re.MULTILINE)
+_ENV = {
+    "PYTHONHASHSEED": "0",
+    "OPENBLAS_NUM_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("workloads", nargs="+", metavar="WORKLOAD")
+    parser.add_argument("--impl", default="aioautograd", help="comma-separated implementations")
+    parser.add_argument("--size", default="full", choices=("full", "quick", "tiny"))
+    parser.add_argument("--repeats", type=int, default=3, help="counted repeats (median shown)")
+    parser.add_argument("--warmup", type=int, default=2, help="uncounted repeats first")
+    parser.add_argument("--json", action="store_true", help="print the raw counts as JSON too")
+    parser.add_argument("--inner", metavar="LABELS", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# ----------------------------------------------------------------------- inside valgrind
+
+
+def _inner(args: argparse.Namespace) -> None:
+    """Run one workload and implementation; mark the end of each phase for callgrind."""
+    import asyncio
+    import inspect
+
+    from benchmarks.workloads import REGISTRY
+
+    (workload_name,) = args.workloads
+    workload = REGISTRY[workload_name]
+    (impl,) = [i for i in workload.impls if i.name == args.impl]
+    case = impl.factory(workload.sizes[args.size])
+    loop = asyncio.new_event_loop()
+    labels: list[str] = []
+
+    def mark(label: str) -> None:
+        labels.append(label)
+        os.getppid()
+
+    def run() -> None:
+        value = case.run()
+        if inspect.isawaitable(value):
+            loop.run_until_complete(value)  # type: ignore[arg-type]
+
+    for _ in range(args.warmup):
+        case.prepare()
+        run()
+    for _ in range(args.repeats):
+        gc.collect()
+        mark("setup")
+        case.prepare()
+        mark("prepare")
+        gc.collect()
+        mark("setup")
+        run()
+        mark("run")
+    case.close()
+    loop.close()
+    Path(args.inner).write_text(json.dumps({"labels": labels, "nodes": case.nodes}))
+
+
+# ---------------------------------------------------------------------- outside valgrind
+
+
+def count(workload: str, impl: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``workload``/``impl`` under callgrind; the instructions of each counted phase."""
+    with tempfile.TemporaryDirectory(prefix="callgrind-") as tmp:
+        labels_file = Path(tmp) / "labels.json"
+        out = Path(tmp) / "callgrind.out"
+        command = [
+            "valgrind",
+            "--tool=callgrind",
+            f"--dump-before={_MARKER_SYMBOL}",
+            f"--callgrind-out-file={out}",
+            sys.executable,
+            str(Path(__file__).resolve()),
+            workload,
+            f"--impl={impl}",
+            f"--size={args.size}",
+            f"--repeats={args.repeats}",
+            f"--warmup={args.warmup}",
+            f"--inner={labels_file}",
+        ]
+        env = {**os.environ, **_ENV}
+        subprocess.run(command, check=True, env=env, capture_output=True, cwd=_ROOT)
+        meta = json.loads(labels_file.read_text())
+        # Dump k (callgrind.out.k) holds the phase that ended at the k-th marker; the one at
+        # exit (callgrind.out, no suffix) holds the teardown.
+        dumps = sorted(
+            (p for p in Path(tmp).glob("callgrind.out.*") if p.suffix[1:].isdigit()),
+            key=lambda p: int(p.suffix[1:]),
+        )
+        counts = [_total(p) for p in dumps]
+    phases: dict[str, list[int]] = {}
+    for label, instructions in zip(meta["labels"], counts, strict=True):
+        phases.setdefault(label, []).append(instructions)
+    return {"workload": workload, "impl": impl, "nodes": meta["nodes"], "phases": phases}
+
+
+def _total(path: Path) -> int:
+    match = _TOTALS.search(path.read_bytes())
+    if match is None:
+        raise RuntimeError(f"no totals in {path}")
+    return int(match.group(1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    if args.inner is not None:
+        _inner(args)
+        return 0
+    if shutil.which("valgrind") is None:
+        print("valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
+        return 1
+    from benchmarks.workloads import REGISTRY
+
+    for workload in args.workloads:
+        for impl_name in args.impl.split(","):
+            impls = {i.name: i for i in REGISTRY[workload].impls}
+            if impl_name not in impls:
+                continue
+            reason = impls[impl_name].skip_reason()
+            if reason is not None:
+                print(f"{workload:12} {impl_name:12} skipped: {reason}")
+                continue
+            result = count(workload, impl_name, args)
+            nodes = result["nodes"]
+            run = statistics.median(result["phases"]["run"])
+            prepare = statistics.median(result["phases"]["prepare"])
+            if nodes:
+                print(
+                    f"{workload:12} {impl_name:12} run {run / nodes:10,.0f} instr/node  "
+                    f"prepare {prepare / nodes:10,.0f} instr/node  ({nodes} nodes)",
+                    flush=True,
+                )
+            else:
+                print(
+                    f"{workload:12} {impl_name:12} run {run:12,.0f} instr/step  "
+                    f"prepare {prepare:12,.0f} instr",
+                    flush=True,
+                )
+            if args.json:
+                print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
