@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from aioautograd.anomaly_mode import _anomaly, current_node
 from aioautograd.autograd.node import Edge, Error, Grads, Node
-from aioautograd.autograd.saved import SavedTensor, second_backward_error
+from aioautograd.autograd.saved import SavedTensor, second_backward_error, unpack_arrays
 from aioautograd.grad_mode import _grad_enabled
 from aioautograd.tensor import Tensor
 
@@ -73,15 +73,18 @@ class BackwardCFunction(Node, FunctionCtx):
         saved = self._saved
         if saved is None:
             raise second_backward_error()
-        return tuple([None if s is None else s.unpack_data(self) for s in saved])
+        return unpack_arrays(saved, self) if saved else ()
 
     def apply(self, grads: Grads) -> Sequence[Tensor | None]:
         if self.materialize_grads:
-            for i, grad in enumerate(grads):
+            for grad in grads:
                 if grad is None:
-                    shape, dtype, device = self._input_metadata[i]
-                    grads[i] = Tensor(device.xp.zeros(shape, dtype), device)
-        result = self._forward_cls.backward(self, *grads)
+                    _materialize(self, grads)
+                    break
+        backward = self._forward_cls.backward
+        result = backward(self, grads[0]) if len(grads) == 1 else backward(self, *grads)
+        if type(result) is tuple and len(result) == len(self._next_edges):
+            return result
         return _check_gradient_count(self, result)
 
     def release_variables(self) -> None:
@@ -111,12 +114,17 @@ class AsyncBackwardCFunction(BackwardCFunction):
 
     async def apply(self, grads: Grads) -> Sequence[Tensor | None]:  # type: ignore[override]
         if self.materialize_grads:
-            for i, grad in enumerate(grads):
-                if grad is None:
-                    shape, dtype, device = self._input_metadata[i]
-                    grads[i] = Tensor(device.xp.zeros(shape, dtype), device)
+            _materialize(self, grads)
         result = await self._forward_cls.backward(self, *grads)
         return _check_gradient_count(self, result)
+
+
+def _materialize(node: BackwardCFunction, grads: Grads) -> None:
+    """Replace ``None`` gradients by zeros of the shapes the node's inputs have."""
+    for i, grad in enumerate(grads):
+        if grad is None:
+            shape, dtype, device = node._input_metadata[i]
+            grads[i] = Tensor(device.xp.zeros(shape, dtype), device)
 
 
 def _check_gradient_count(node: BackwardCFunction, result: Any) -> Sequence[Tensor | None]:

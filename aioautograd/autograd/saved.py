@@ -60,12 +60,6 @@ class SavedTensor:
         out._output_nr = self._output_nr
         return out
 
-    def unpack_data(self, node: Node) -> Any:
-        """The saved array itself (version-checked), for formulas that record nothing."""
-        if self._counter.value != self._saved_version:
-            raise RuntimeError(self._modified_message(node))
-        return self._tensor.data
-
     def _modified_message(self, node: Node) -> str:
         tensor = self._tensor
         if self._is_output:
@@ -81,6 +75,19 @@ class SavedTensor:
             "to find the operation that failed to compute its gradient, with "
             "aioautograd.detect_anomaly(), or clone() the tensor before modifying it in place."
         )
+
+
+def unpack_arrays(saved: tuple[SavedTensor | None, ...], node: Node) -> tuple[Any, ...]:
+    """The arrays of ``saved`` (``None`` stays ``None``), each version-checked."""
+    arrays: list[Any] = []
+    for entry in saved:
+        if entry is None:
+            arrays.append(None)
+        elif entry._counter.value != entry._saved_version:
+            raise RuntimeError(entry._modified_message(node))
+        else:
+            arrays.append(entry._tensor.data)
+    return tuple(arrays)
 
 
 def second_backward_error() -> RuntimeError:

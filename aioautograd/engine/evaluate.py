@@ -72,8 +72,12 @@ def process_task(task: NodeTask, device: Device) -> list[NodeTask] | None:
             # The hot path: a CPU node without hooks in a graph task without grad() outputs,
             # leaf hook, anomaly mode or profiler (what _call_function does, minus the checks).
             task.inputs = _NO_INPUTS
-            with node._lock:
+            lock = node._lock
+            lock.acquire()
+            try:
                 outputs = node.apply(inputs)
+            finally:
+                lock.release()
             if not graph_task.keep_graph:
                 node.release_variables()
             edges = node._next_edges
@@ -223,10 +227,14 @@ def _make_ready(
     exec_info = graph_task.exec_info
     producer = node._stream
     ready: list[NodeTask] = []
-    with graph_task.lock:
+    lock = graph_task.lock
+    lock.acquire()  # (cheaper than ``with``, and this runs once per node)
+    try:
         dependencies = graph_task.dependencies
         not_ready = graph_task.not_ready
-        for i, (next_node, input_nr) in enumerate(node._next_edges):
+        i = -1  # a counter, not enumerate() or zip(): this runs for every node
+        for next_node, input_nr in node._next_edges:
+            i += 1
             if next_node is None:
                 continue
             if exec_info is not None:
@@ -238,9 +246,14 @@ def _make_ready(
             if count == 1:
                 del dependencies[next_node]
                 buffer = not_ready.pop(next_node, None)
-                if buffer is None:
+                if buffer is None and producer is None and next_node._stream is None:
+                    # The chain's case: a CPU node's only input, nothing to accumulate.
                     buffer = _new_buffer(next_node)
-                accumulate(buffer, input_nr, grad, producer, next_node._stream)
+                    buffer[input_nr] = grad
+                else:
+                    if buffer is None:
+                        buffer = _new_buffer(next_node)
+                    accumulate(buffer, input_nr, grad, producer, next_node._stream)
                 ready.append(NodeTask(graph_task, next_node, buffer))
             else:
                 dependencies[next_node] = count - 1
@@ -250,6 +263,8 @@ def _make_ready(
                 accumulate(buffer, input_nr, grad, producer, next_node._stream)
         graph_task.outstanding_tasks += len(ready) - 1
         done = graph_task.outstanding_tasks == 0
+    finally:
+        lock.release()
     if done:
         graph_task.all_tasks_done()
         return None

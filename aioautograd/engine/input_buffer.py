@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from aioautograd.devices.device import CPU, Device
+from aioautograd.grad_mode import _grad_enabled
+from aioautograd.ops._util import wrap
 
 if TYPE_CHECKING:
     from aioautograd.devices.streams import Stream
@@ -30,7 +32,7 @@ def accumulate(
         return
     old = buffer[position]
     if producer is None and consumer is None:  # CPU
-        buffer[position] = grad if old is None else old + grad
+        buffer[position] = grad if old is None else _sum(old, grad)
         return
     if consumer is not None and grad.device is consumer.device:
         if producer is not None and producer.device is grad.device:
@@ -47,7 +49,15 @@ def accumulate(
         return
     stream = consumer if consumer is not None and grad.device is consumer.device else producer
     with grad.device.backend.use_stream(stream, "accumulate"):
-        buffer[position] = old + grad
+        buffer[position] = _sum(old, grad)
+
+
+def _sum(old: Tensor, grad: Tensor) -> Tensor:
+    """``old + grad``; recorded only under ``create_graph``, else one array addition (both
+    gradients were validated against the same input: same shape, dtype and device)."""
+    if _grad_enabled.get():
+        return old + grad
+    return wrap(old.xp.add(old.data, grad.data), old.device)
 
 
 def buffer_device(buffer: InputBuffer) -> Device:

@@ -8,13 +8,14 @@ gradients at the broadcast shape and never repeat an ``unbroadcast`` of their ow
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aioautograd.tensor import Tensor
 
 if TYPE_CHECKING:
     from aioautograd._typing import Shape
     from aioautograd.autograd.node import Edge, Node
+    from aioautograd.devices.device import Device
 
 
 def is_expandable_to(shape: Shape, desired: Shape) -> bool:
@@ -45,39 +46,54 @@ def validate_outputs(
             f"{len(edges)}, but got {len(grads)}"
         )
     result: list[Tensor | None] = list(grads)
-    for i, (next_node, input_nr) in enumerate(edges):
+    i = 0  # a counter, not enumerate(): this runs for every node of every backward
+    for next_node, input_nr in edges:
         grad = result[i]
-        if next_node is None or grad is None:
-            continue
-        if not isinstance(grad, Tensor):
-            raise TypeError(
-                f"Function {_name(producer)} returned an invalid gradient at index {i} - expected "
-                f"a Tensor or None, got {type(grad).__name__}"
-            )
-        shape, dtype, device = next_node._input_metadata[input_nr]
-        data = grad.data
-        if data.shape != shape:
-            if not is_expandable_to(shape, data.shape):
-                raise RuntimeError(
-                    f"Function {_name(producer)} returned an invalid gradient at index {i} - got "
-                    f"{list(data.shape)} but expected shape compatible with {list(shape)}"
-                )
-            grad = reduction.sum_to_size(grad, shape)
-        if grad.device is not device:
-            raise RuntimeError(
-                f"Function {_name(producer)} returned an invalid gradient at index {i} - expected "
-                f"device {device} but got {grad.device}"
-            )
-        if grad.data.dtype != dtype:
-            if grad.data.dtype.kind not in "fc":
-                raise RuntimeError(
-                    f"Function {_name(producer)} returned an invalid gradient at index {i} - "
-                    f"expected a floating point gradient of dtype {dtype} but got "
-                    f"{grad.data.dtype}"
-                )
-            grad = grad.to(dtype)
-        result[i] = grad
+        if next_node is not None and grad is not None:
+            # The common case, checked first: an array of the expected shape, dtype and
+            # device (dtypes of NumPy results are usually the same object).
+            shape, dtype, device = next_node._input_metadata[input_nr]
+            if type(grad) is not Tensor or not (
+                grad.device is device
+                and grad.data.shape == shape
+                and (grad.data.dtype is dtype or grad.data.dtype == dtype)
+            ):
+                result[i] = _conform(i, grad, shape, dtype, device, producer)
+        i += 1  # noqa: SIM113
     return result
+
+
+def _conform(
+    i: int, grad: Any, shape: Shape, dtype: Any, device: Device, producer: Node | str
+) -> Tensor:
+    """``grad`` summed to ``shape`` and cast to ``dtype``, or the error saying why not."""
+    if not isinstance(grad, Tensor):
+        raise TypeError(
+            f"Function {_name(producer)} returned an invalid gradient at index {i} - expected "
+            f"a Tensor or None, got {type(grad).__name__}"
+        )
+    data = grad.data
+    if data.shape != shape:
+        if not is_expandable_to(shape, data.shape):
+            raise RuntimeError(
+                f"Function {_name(producer)} returned an invalid gradient at index {i} - got "
+                f"{list(data.shape)} but expected shape compatible with {list(shape)}"
+            )
+        grad = reduction.sum_to_size(grad, shape)
+    if grad.device is not device:
+        raise RuntimeError(
+            f"Function {_name(producer)} returned an invalid gradient at index {i} - expected "
+            f"device {device} but got {grad.device}"
+        )
+    if grad.data.dtype != dtype:
+        if grad.data.dtype.kind not in "fc":
+            raise RuntimeError(
+                f"Function {_name(producer)} returned an invalid gradient at index {i} - "
+                f"expected a floating point gradient of dtype {dtype} but got "
+                f"{grad.data.dtype}"
+            )
+        grad = grad.to(dtype)
+    return grad
 
 
 def _name(producer: Node | str) -> str:

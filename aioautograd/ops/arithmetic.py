@@ -46,10 +46,12 @@ class Mul(Op):
         a_data, b_data, device = binary_operands(a, b)
         needs = ctx.needs_input_grad
         if needs:
-            ctx.save_for_backward(
-                a if needs[1] and isinstance(a, Tensor) else None,
-                b if needs[0] and isinstance(b, Tensor) else None,
-            )
+            # Each gradient needs only the other factor: tensors are saved (version-checked,
+            # released after backward), numbers kept as they are.
+            saved_a = a if needs[1] and isinstance(a, Tensor) else None
+            saved_b = b if needs[0] and isinstance(b, Tensor) else None
+            if saved_a is not None or saved_b is not None:
+                ctx.save_for_backward(saved_a, saved_b)
             ctx.scalars = _operands_kept(a, b, a_data, b_data)
         return wrap(device.xp.multiply(a_data, b_data), device)
 
@@ -58,13 +60,13 @@ class Mul(Op):
         scalar_a, scalar_b = ctx.scalars
         needs = ctx.needs_input_grad
         if not _grad_enabled.get():  # nothing to record: the same products on the arrays
-            a, b = ctx.saved_arrays
+            a, b = ctx.saved_arrays or (None, None)
             g, device = grad.data, grad.device
             return (
                 wrap(g * (b if b is not None else scalar_b), device) if needs[0] else None,
                 wrap(g * (a if a is not None else scalar_a), device) if needs[1] else None,
             )
-        a, b = ctx.saved_tensors
+        a, b = ctx.saved_tensors or (None, None)
         grad_a = grad * (b if b is not None else scalar_b) if needs[0] else None
         grad_b = grad * (a if a is not None else scalar_a) if needs[1] else None
         return grad_a, grad_b
