@@ -16,6 +16,10 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -e ".[test]"
 	touch $@
 
+$(VENV)/.installed-bench: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -e ".[test,bench]"
+	touch $@
+
 demo: $(VENV)/.installed
 	$(BIN)/python -m aioautograd.examples.concurrent_training
 
@@ -27,7 +31,7 @@ lint: $(VENV)/.installed-test
 	$(BIN)/ruff format --check aioautograd tests benchmarks notebooks
 	$(BIN)/mypy aioautograd
 
-bench: $(VENV)/.installed-test
+bench: $(VENV)/.installed-bench
 	$(BIN)/python benchmarks/run.py
 
 clean:

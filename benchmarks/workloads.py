@@ -229,6 +229,118 @@ register(
 )
 
 
+# ---------------------------------------------------------------------------- chain_forward
+# The chain's forward, recording the graph: h = h * c, n times, then sum; per op. The graph
+# built by a run is kept until the next prepare(), so that freeing it is not timed.
+
+
+class _ChainForward(Case):
+    def __init__(self, params: Params) -> None:
+        self.n = params["n"]
+        self.nodes = self.n + 1
+        self.result: Any = None
+
+    def prepare(self) -> None:
+        self.result = None
+
+
+class _AioChainForward(_ChainForward):
+    def __init__(self, params: Params) -> None:
+        super().__init__(params)
+        self.x = ag.tensor(_seed_array((4,)), requires_grad=True)
+
+    def run(self) -> float:
+        h = self.x
+        for _ in range(self.n):
+            h = h * CHAIN_FACTOR
+        self.result = h.sum()
+        return float(self.result.item())
+
+
+class _TorchChainForward(_ChainForward):
+    def __init__(self, params: Params) -> None:
+        import torch
+
+        super().__init__(params)
+        self.x = torch.tensor(_seed_array((4,)), requires_grad=True)
+
+    def run(self) -> float:
+        h = self.x
+        for _ in range(self.n):
+            h = h * CHAIN_FACTOR
+        self.result = h.sum()
+        return float(self.result.item())
+
+
+class _HipsChainForward(_ChainForward):
+    """HIPS autograd's forward is the trace ``make_vjp`` records (its vjp is kept)."""
+
+    def __init__(self, params: Params) -> None:
+        import autograd.numpy as anp
+        from autograd.core import make_vjp
+
+        super().__init__(params)
+        self.x = _seed_array((4,))
+        self.make_vjp = make_vjp
+
+        def f(x: Any) -> Any:
+            h = x
+            for _ in range(self.n):
+                h = h * CHAIN_FACTOR
+            return anp.sum(h)
+
+        self.f = f
+
+    def run(self) -> float:
+        self.result = self.make_vjp(self.f, self.x)
+        return float(self.result[1])
+
+
+class _MygradChainForward(_ChainForward):
+    def __init__(self, params: Params) -> None:
+        import mygrad as mg
+
+        super().__init__(params)
+        self.mg = mg
+        self.x = mg.tensor(_seed_array((4,)))
+
+    def run(self) -> float:
+        h = self.x
+        for _ in range(self.n):
+            h = h * CHAIN_FACTOR
+        self.result = self.mg.sum(h)
+        return float(self.result.item())
+
+
+class _NumpyChainForward(_ChainForward):
+    def __init__(self, params: Params) -> None:
+        super().__init__(params)
+        self.x = _seed_array((4,))
+
+    def run(self) -> float:
+        h = self.x
+        for _ in range(self.n):
+            h = h * CHAIN_FACTOR
+        return float(np.sum(h))
+
+
+register(
+    Workload(
+        name="chain_forward",
+        description="forward of the chain (h = h * 1.0001, n times, recording the graph), per op",
+        sizes={"full": {"n": 10_000}, "quick": {"n": 2_000}, "tiny": {"n": 10}},
+        repeats={"full": (3, 30), "quick": (1, 5), "tiny": (0, 1)},
+        impls=(
+            Impl("aioautograd", _AioChainForward),
+            Impl("torch", _TorchChainForward, ("torch",)),
+            Impl("numpy", _NumpyChainForward),
+            Impl("autograd", _HipsChainForward, ("autograd",)),
+            Impl("mygrad", _MygradChainForward, ("mygrad",)),
+        ),
+    )
+)
+
+
 # -------------------------------------------------------------------------------------- fan
 # x (4 floats) -> branches x * c_i -> balanced tree of adds -> sum; only backward is timed.
 # 2 * branches ops: `branches` muls, `branches - 1` adds, one sum; x's gradient buffer
@@ -319,6 +431,23 @@ register(
             Impl("torch", _TorchFan, ("torch",)),
             Impl("autograd", _HipsFan, ("autograd",)),
             Impl("mygrad", _MygradFan, ("mygrad",)),
+        ),
+    )
+)
+
+
+# chain_long: the same backward over 100,000 nodes, whose per-node cost should stay flat.
+register(
+    Workload(
+        name="chain_long",
+        description="the chain's backward over 100,000 nodes (per node: flat growth vs chain)",
+        sizes={"full": {"n": 100_000}, "quick": {"n": 100_000}, "tiny": {"n": 10}},
+        repeats={"full": (1, 7), "quick": (1, 3), "tiny": (0, 1)},
+        impls=(
+            Impl("aioautograd", _AioChain),
+            Impl("torch", _TorchChain, ("torch",)),
+            Impl("autograd", _HipsChain, ("autograd",)),
+            Impl("mygrad", _MygradChain, ("mygrad",)),
         ),
     )
 )
@@ -538,6 +667,80 @@ class _NumpyMlp(Case):
         return {"relu": "np.maximum", "loss": "hand-written softmax cross-entropy"}
 
 
+class _HipsMlp(Case):
+    """HIPS autograd's step: ``value_and_grad`` of the loss over the weight list, then SGD on
+    the arrays. Softmax cross-entropy as the NumPy baseline computes it (the row maximum, a
+    constant for the gradient, is taken from the raw values)."""
+
+    def __init__(self, params: Params) -> None:
+        import autograd.numpy as anp
+        from autograd import value_and_grad
+        from autograd.tracer import getval
+
+        data = mlp_data(params["widths"], params["batch"])
+        self.params = [*data.weights, *data.biases]
+        self.inputs = data.inputs
+        self.targets = data.targets
+        rows = np.arange(params["batch"])
+        layers = len(data.weights)
+
+        def loss(params: list[Any]) -> Any:
+            h = self.inputs
+            for i in range(layers):
+                h = anp.dot(h, params[i]) + params[layers + i]
+                if i < layers - 1:
+                    h = anp.maximum(h, 0.0)
+            shifted = h - getval(h).max(axis=1, keepdims=True)
+            log_norm = anp.log(anp.sum(anp.exp(shifted), axis=1))
+            return anp.mean(log_norm - shifted[rows, self.targets])
+
+        self.value_and_grad = value_and_grad(loss)
+
+    def run(self) -> float:
+        loss, grads = self.value_and_grad(self.params)
+        for param, grad in zip(self.params, grads, strict=True):
+            param -= LEARNING_RATE * grad
+        return float(loss)
+
+    def extras(self) -> dict[str, Any]:
+        return {"relu": "anp.maximum", "loss": "log-softmax cross-entropy on anp"}
+
+
+class _MygradMlp(Case):
+    """mygrad's step: its ``softmax_crossentropy`` (mean over the batch), backward, SGD on
+    the arrays, ``null_grad``."""
+
+    def __init__(self, params: Params) -> None:
+        import mygrad as mg
+        from mygrad.nnet.activations import relu
+        from mygrad.nnet.losses import softmax_crossentropy
+
+        self.mg, self.relu, self.cross_entropy = mg, relu, softmax_crossentropy
+        data = mlp_data(params["widths"], params["batch"])
+        self.weights = [mg.tensor(w) for w in data.weights]
+        self.biases = [mg.tensor(b) for b in data.biases]
+        self.inputs = data.inputs
+        self.targets = data.targets
+
+    def run(self) -> float:
+        mg = self.mg
+        h = self.inputs
+        last = len(self.weights) - 1
+        for i, (w, b) in enumerate(zip(self.weights, self.biases, strict=True)):
+            h = mg.matmul(h, w) + b
+            if i < last:
+                h = self.relu(h)
+        loss = self.cross_entropy(h, self.targets)
+        loss.backward()
+        for param in (*self.weights, *self.biases):
+            param.data -= LEARNING_RATE * param.grad
+            param.null_grad()
+        return float(loss.item())
+
+    def extras(self) -> dict[str, Any]:
+        return {"relu": "mygrad.nnet.activations.relu", "loss": "mygrad softmax_crossentropy"}
+
+
 class _AioMlpInline(_AioMlp):
     """The subject with the engine's opt-in inline execution (``inline_budget_s``, 1 ms):
     small CPU nodes run on the loop's thread instead of an executor."""
@@ -565,6 +768,8 @@ _MLP_IMPLS = (
     Impl("aioautograd", _AioMlp),
     Impl("torch", _TorchMlp, ("torch",)),
     Impl("numpy", _NumpyMlp),
+    Impl("autograd", _HipsMlp, ("autograd",)),
+    Impl("mygrad", _MygradMlp, ("mygrad",)),
     Impl(f"{SUBJECT}-inline", _AioMlpInline, main_table=False),
 )
 
