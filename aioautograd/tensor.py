@@ -455,11 +455,12 @@ class Tensor:
         return (self[i] for i in range(self.shape[0]))
 
     # ---------------------------------------------------------------------- arithmetic
+    # The hottest operators call their Function directly (one Python call fewer per op).
     def __add__(self, other: Any) -> Tensor:
-        return arithmetic.add(self, other)
+        return arithmetic.Add.apply(self, other)  # type: ignore[no-any-return]
 
     def __radd__(self, other: Any) -> Tensor:
-        return arithmetic.add(other, self)
+        return arithmetic.Add.apply(other, self)  # type: ignore[no-any-return]
 
     def __sub__(self, other: Any) -> Tensor:
         return arithmetic.sub(self, other)
@@ -468,16 +469,16 @@ class Tensor:
         return arithmetic.sub(other, self)
 
     def __mul__(self, other: Any) -> Tensor:
-        return arithmetic.mul(self, other)
+        return arithmetic.Mul.apply(self, other)  # type: ignore[no-any-return]
 
     def __rmul__(self, other: Any) -> Tensor:
-        return arithmetic.mul(other, self)
+        return arithmetic.Mul.apply(other, self)  # type: ignore[no-any-return]
 
     def __truediv__(self, other: Any) -> Tensor:
-        return arithmetic.div(self, other)
+        return arithmetic.Div.apply(self, other)  # type: ignore[no-any-return]
 
     def __rtruediv__(self, other: Any) -> Tensor:
-        return arithmetic.div(other, self)
+        return arithmetic.Div.apply(other, self)  # type: ignore[no-any-return]
 
     def __pow__(self, other: Any) -> Tensor:
         return arithmetic.pow(self, other)
@@ -492,7 +493,7 @@ class Tensor:
         return linalg.matmul(other, self)
 
     def __neg__(self) -> Tensor:
-        return arithmetic.neg(self)
+        return arithmetic.Neg.apply(self)  # type: ignore[no-any-return]
 
     def __pos__(self) -> Tensor:
         return self

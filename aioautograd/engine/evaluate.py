@@ -20,7 +20,7 @@ from aioautograd.devices.device import Device
 from aioautograd.engine.graph_task import GraphTask, current_graph_task, enter_graph_task
 from aioautograd.engine.input_buffer import accumulate
 from aioautograd.engine.ready_queue import NodeTask
-from aioautograd.engine.validate import validate_outputs
+from aioautograd.engine.validate import validate_outputs, validated
 from aioautograd.tensor import Tensor
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def process_task(task: NodeTask, device: Device) -> list[NodeTask] | None:
                 node.release_variables()
             edges = node._next_edges
             if edges:
-                outputs = validate_outputs(edges, outputs, node)
+                outputs = validated(edges, outputs, node)
         else:
             task.inputs = _NO_INPUTS  # the buffer is ours now; AccumulateGrad may steal from it
             called = _call_function(graph_task, node, inputs, device)
@@ -247,9 +247,12 @@ def _make_ready(
                 del dependencies[next_node]
                 buffer = not_ready.pop(next_node, None)
                 if buffer is None and producer is None and next_node._stream is None:
-                    # The chain's case: a CPU node's only input, nothing to accumulate.
-                    buffer = _new_buffer(next_node)
-                    buffer[input_nr] = grad
+                    # The chain's case: a fresh CPU buffer, nothing to accumulate.
+                    if type(next_node) is AccumulateGrad:
+                        buffer = [grad]
+                    else:
+                        buffer = [None] * len(next_node._input_metadata)
+                        buffer[input_nr] = grad
                 else:
                     if buffer is None:
                         buffer = _new_buffer(next_node)

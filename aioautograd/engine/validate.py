@@ -40,15 +40,23 @@ def validate_outputs(
     dtypes are cast; anything else raises ``RuntimeError`` naming the node (``producer``, or
     what to call it) and the index.
     """
+    return list(validated(edges, grads, producer))
+
+
+def validated(
+    edges: Sequence[Edge], grads: Sequence[Tensor | None], producer: Node | str
+) -> Sequence[Tensor | None]:
+    """`validate_outputs` without the copy: ``grads`` itself when every gradient conforms
+    already (the engine's per-node case), else a list with the conformed ones."""
     if len(grads) != len(edges):
         raise RuntimeError(
             f"invalid number of gradients returned by {_name(producer)} - expected "
             f"{len(edges)}, but got {len(grads)}"
         )
-    result: list[Tensor | None] = list(grads)
+    result: list[Tensor | None] | None = None
     i = 0  # a counter, not enumerate(): this runs for every node of every backward
     for next_node, input_nr in edges:
-        grad = result[i]
+        grad = grads[i]
         if next_node is not None and grad is not None:
             # The common case, checked first: an array of the expected shape, dtype and
             # device (dtypes of NumPy results are usually the same object).
@@ -58,9 +66,11 @@ def validate_outputs(
                 and grad.data.shape == shape
                 and (grad.data.dtype is dtype or grad.data.dtype == dtype)
             ):
+                if result is None:
+                    result = list(grads)
                 result[i] = _conform(i, grad, shape, dtype, device, producer)
         i += 1  # noqa: SIM113
-    return result
+    return grads if result is None else result
 
 
 def _conform(

@@ -60,9 +60,9 @@ def binary_operands(a: Any, b: Any) -> tuple[Any, Any, Device]:
                     f"devices, {a.device} and {b.device}! Move one with .to(device)."
                 )
             return a.data, b.data, a.device
-        return a.data, device_operand(b, a.device), a.device
+        return a.data, _operand(b, a), a.device
     if isinstance(b, Tensor):
-        return device_operand(a, b.device), b.data, b.device
+        return _operand(a, b), b.data, b.device
     raise TypeError(
         f"expected at least one Tensor operand, got {type(a).__name__} and {type(b).__name__}"
     )
@@ -75,6 +75,21 @@ def device_operand(value: Any, device: Device) -> Any:
     if isinstance(value, (int, float, bool, complex)):
         return value
     return device.xp.asarray(value)
+
+
+_REAL_NUMBERS = (int, float, bool)
+
+
+def _operand(value: Any, like: Tensor) -> Any:
+    """``device_operand`` for the other operand of ``like``; a Python number meeting a
+    floating NumPy array becomes a 0-d array of that array's dtype: NumPy casts the number to
+    that dtype anyway (NEP 50's weak scalars), so it is the same operand, and a ufunc call
+    costs about half as much. (CuPy takes numbers as kernel arguments: kept.)"""
+    if type(value) in _REAL_NUMBERS:
+        data = like.data
+        if like.device.xp is np and data.dtype.kind in "fc":
+            return np.asarray(value, data.dtype)
+    return device_operand(value, like.device)
 
 
 def as_tensor_like(value: Any, like: Tensor) -> Tensor:

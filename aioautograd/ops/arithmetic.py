@@ -192,9 +192,9 @@ class Where(Op):
         a_data, b_data, device = binary_operands(a, b)
         ctx.condition = condition  # type: ignore[attr-defined]
         xp = device.xp
-        if _is_zero(b_data) and isinstance(a, Tensor):
+        if _is_zero(b) and isinstance(a, Tensor):
             return wrap(keep_where(xp, condition.data, a_data), device)
-        if _is_zero(a_data) and isinstance(b, Tensor):
+        if _is_zero(a) and isinstance(b, Tensor):
             return wrap(keep_where(xp, xp.logical_not(condition.data), b_data), device)
         return wrap(xp.where(condition.data, a_data, b_data), device)
 
