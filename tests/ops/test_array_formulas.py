@@ -2,11 +2,11 @@
 
 A few backward formulas compute on the arrays when nothing is recorded (grad mode off, a
 plain backward) and on tensors under ``create_graph=True``: ``*``, ``@``, ReLU, sum and
-mean (their broadcast back) and cross entropy with class indices; and the input buffer's
-sum of the gradients arriving at one input. STYLE §10: a second path
-needs a mechanical test holding the two equal. Here each case is differentiated both ways
-and the gradients must agree bitwise, on boundary inputs (zeros at ReLU's kink, scalar operands,
-broadcasting, ignored targets), in float64 and float32, independently of torch.
+mean (their broadcast back) and cross entropy with class indices; so does the input
+buffer's sum of the gradients arriving at one input. STYLE §10: a second path needs a
+mechanical test holding the two equal. Here each case is differentiated both ways and the
+gradients must agree bitwise, on boundary inputs (zeros at ReLU's kink, scalar operands,
+broadcasting, ignored targets, fan-in), in float64 and float32, independently of torch.
 """
 
 from __future__ import annotations
