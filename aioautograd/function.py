@@ -233,24 +233,27 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
     finally:
         _grad_enabled.reset(token)
 
-    outputs = raw if isinstance(raw, tuple) else (raw,)
+    outputs = raw if type(raw) is tuple else (raw,)
     dirty = node.dirty_tensors
     non_diff = node.non_differentiable
     metadata = node._input_metadata
-    for output_nr, out in enumerate(outputs):
+    output_nr = -1  # a counter, not enumerate(): once per op
+    for out in outputs:
+        output_nr += 1
         if not isinstance(out, Tensor):
             continue
         if dirty and any(out is d for d in dirty):
             check_inplace(out)
             out._bump_version()
         data = out.data
+        dtype = data.dtype
         out_device = out.device
-        metadata.append((data.shape, data.dtype, out_device))
+        metadata.append((data.shape, dtype, out_device))
         if node._stream is None and out_device.backend.has_streams:
             # As PyTorch: the node's stream is that of its outputs' device (where its
             # gradients arrive), current at forward; a copy to the CPU has none.
             node._stream = out_device.current_stream()
-        if data.dtype.kind in "fc" and not (non_diff and any(out is n for n in non_diff)):
+        if dtype.kind in "fc" and not (non_diff and any(out is n for n in non_diff)):
             out.grad_fn = node
             out._output_nr = output_nr
             out._requires_grad = True
