@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import builtins
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -17,8 +18,7 @@ from aioautograd.devices.device import CPU, Device, is_device_spec
 from aioautograd.devices.device import device as _as_device
 
 if TYPE_CHECKING:
-    from aioautograd.autograd.hooks import HookDict, RemovableHandle
-    from aioautograd.autograd.node import AccumulateGrad, Node
+    from aioautograd.autograd.node import Node
 
 
 class VersionCounter:
@@ -218,14 +218,10 @@ class Tensor:
         acc = ref() if ref is not None else None
         if acc is not None:
             return acc  # type: ignore[no-any-return]
-        from aioautograd.autograd.node import AccumulateGrad
-
         with _accumulator_lock:
             ref = self._grad_accumulator
             acc = ref() if ref is not None else None
             if acc is None:
-                import weakref
-
                 acc = AccumulateGrad(self)
                 self._grad_accumulator = weakref.ref(acc)
         return acc
@@ -262,8 +258,6 @@ class Tensor:
         The hook may return a replacement gradient. Runs on an executor thread during backward.
         Returns a handle whose ``remove()`` unregisters it.
         """
-        from aioautograd.autograd.hooks import HookDict, RemovableHandle
-
         if not self._requires_grad:
             raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
         if self.grad_fn is not None:
@@ -277,8 +271,6 @@ class Tensor:
 
         Leaf tensors only. The hook returns nothing; it may read or modify ``tensor.grad``.
         """
-        from aioautograd.autograd.hooks import HookDict, RemovableHandle
-
         if self.grad_fn is not None:
             raise RuntimeError(
                 "post accumulate grad hooks cannot be registered on non-leaf tensors"
@@ -301,9 +293,7 @@ class Tensor:
 
         A coroutine: ``await loss.backward()``. See :func:`aioautograd.backward`.
         """
-        from aioautograd.engine.api import backward
-
-        await backward(self, gradient, retain_graph, create_graph, inputs=inputs)
+        await api.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
 
     def backward_sync(
         self,
@@ -313,9 +303,7 @@ class Tensor:
         inputs: Tensor | Sequence[Tensor] | None = None,
     ) -> None:
         """Blocking twin of :meth:`backward` for code without a running event loop."""
-        from aioautograd.engine.api import backward_sync
-
-        backward_sync(self, gradient, retain_graph, create_graph, inputs=inputs)
+        api.backward_sync(self, gradient, retain_graph, create_graph, inputs=inputs)
 
     # ------------------------------------------------------------------- conversions
     def numpy(self) -> np.ndarray[Any, Any]:
@@ -740,7 +728,11 @@ def _check_grad_assignment(tensor: Tensor, grad: Any) -> None:
         )
 
 
-# The ops import Tensor; import them after the class exists.
+# These modules import Tensor; import them after the class exists (at module level: an
+# import statement inside a method costs ~8k instructions per call).
+from aioautograd.autograd.hooks import HookDict, RemovableHandle  # noqa: E402
+from aioautograd.autograd.node import AccumulateGrad  # noqa: E402
+from aioautograd.engine import api  # noqa: E402
 from aioautograd.ops import (  # noqa: E402
     arithmetic,
     indexing,

@@ -62,6 +62,8 @@ def _sum(old: Tensor, grad: Tensor) -> Tensor:
 
 def buffer_device(buffer: InputBuffer) -> Device:
     """The device a task runs on: that of its first defined input gradient (else CPU)."""
+    if buffer and buffer[0] is not None:  # the common case, without a loop
+        return buffer[0].device
     for grad in buffer:
         if grad is not None:
             return grad.device
