@@ -103,7 +103,8 @@ def _conform(
                 f"{grad.data.dtype}"
             )
         grad = grad.to(dtype)
-    return grad
+    conformed: Tensor = grad
+    return conformed
 
 
 def _name(producer: Node | str) -> str:
