@@ -129,6 +129,7 @@ class CpuBudget:
         self.cores = max(1, cores)
         self.min_split_flops = min_split_flops
         self.min_counted_flops = min_counted_flops
+        self.intra_op = "split"  # or "blas": see EnginePolicy.intra_op
         self._lock = threading.Lock()
         self._slot_free = threading.Condition(self._lock)
         self._waiting = 0  # workers waiting for a core (``wait_for_core``)
@@ -137,6 +138,7 @@ class CpuBudget:
         self.split_products = 0  # products run in parts (observability)
         self.split_backoffs = 0  # times splitting paused because helpers were starved
         self._no_split_until = 0.0
+        self._starved = 0  # split products in a row whose helpers were late
         self._blas = _BlasThreads() if manage_blas else None
         self._user_blas_threads = self._blas.get() if self._blas is not None else 1
         self._idle_helpers: list[_Helper] = []
@@ -255,20 +257,27 @@ class CpuBudget:
             if not counted:
                 self._count(1)
             helpers: list[_Helper] = []
+            blas_threads = 0  # >0: BLAS's own threads run this product ("blas" intra-op)
             if split_size >= 2 * CHUNK_ALIGN and flops >= 4 * MIN_CHUNK_MACS:
                 urgent = _get_running_loop() is not None
                 free = self.cores - 1 if urgent else self.cores - self.active
                 wanted = min(free, split_size // CHUNK_ALIGN - 1)
-                if wanted > 0:
+                if wanted > 0 and self.intra_op == "blas" and self._blas is not None:
+                    blas_threads = wanted + 1
+                    self._count(wanted)  # the cores BLAS's threads take
+                    self._blas.set(blas_threads)
+                elif wanted > 0:
                     helpers = self._take_helpers(wanted)
                     self._count(len(helpers))
         try:
-            if not helpers:
-                return np.matmul(a, b)
-            return self._split(a, b, helpers)
+            if helpers:
+                return self._split(a, b, helpers)
+            return np.matmul(a, b)
         finally:
             with self._lock:
-                self._count(-(len(helpers) + (0 if counted else 1)))
+                if blas_threads and self._blas is not None:
+                    self._blas.set(1)
+                self._count(-(len(helpers) + max(0, blas_threads - 1) + (0 if counted else 1)))
                 self._idle_helpers.extend(helpers)
 
     def _split(
@@ -285,10 +294,16 @@ class CpuBudget:
         job.wait()
         waited = time.perf_counter() - ran
         if waited > max(STARVED_WAIT_S, ran - started):
-            # The helpers got no core in time (other processes keep the machine busy): stop
-            # splitting for a while, a starved helper only delays the product.
-            self.split_backoffs += 1
-            self._no_split_until = ran + waited + SPLIT_BACKOFF_S
+            # The helpers got no core in time. Once in a while is a hiccup of the machine;
+            # several times in a row, other processes keep it busy: stop splitting for a
+            # while, a starved helper only delays the product.
+            self._starved += 1
+            if self._starved >= STARVED_IN_A_ROW:
+                self._starved = 0
+                self.split_backoffs += 1
+                self._no_split_until = ran + waited + SPLIT_BACKOFF_S
+        else:
+            self._starved = 0
         self.split_products += 1
         return out
 
@@ -318,11 +333,14 @@ MIN_CHUNK_MACS = 1 << 21
 # 256x784 @ 784x1024 took 2.5 ms in 2 chunks, 2.7 in 8, 2.2-2.5 with OpenBLAS's 2 threads.
 CHUNKS_PER_THREAD = 2
 # A thread that asked for a split product and then waits for the helpers longer than this
-# (and longer than it computed itself) concludes they are starved of CPU and computes whole
-# products for SPLIT_BACKOFF_S: a quiet machine never waits that long; a loaded one (a
-# busy server beside the training, other processes) would wait on every product.
+# (and longer than it computed itself), STARVED_IN_A_ROW times in a row, concludes they are
+# starved of CPU and computes whole products for SPLIT_BACKOFF_S: a quiet machine waits that
+# long only in a rare hiccup of its scheduler (wake-ups of 0.1-0.2 ms are the rule on this
+# VM); a loaded one (a busy server beside the training, other processes) would wait on every
+# product.
 STARVED_WAIT_S = 0.0005
-SPLIT_BACKOFF_S = 0.5
+STARVED_IN_A_ROW = 3
+SPLIT_BACKOFF_S = 0.2
 
 
 class _SplitProduct:
@@ -427,6 +445,7 @@ def cpu_budget() -> CpuBudget:
                     policy.blas_min_flops,
                     manage_blas=policy.manage_blas_threads,
                 )
+                budget.intra_op = policy.intra_op
     return budget
 
 
@@ -446,11 +465,13 @@ def configure(policy: Any) -> CpuBudget:
                 policy.blas_min_flops,
                 manage_blas=policy.manage_blas_threads,
             )
+            budget.intra_op = policy.intra_op
             return budget
     with budget._lock:
         budget.cores = max(1, cores)
         budget.min_split_flops = policy.intra_op_min_flops
         budget.min_counted_flops = policy.blas_min_flops
+        budget.intra_op = policy.intra_op
         if policy.manage_blas_threads and budget._blas is None:
             budget._blas = _BlasThreads()
             budget._user_blas_threads = budget._blas.get()

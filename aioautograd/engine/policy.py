@@ -24,6 +24,13 @@ class EnginePolicy:
             split large products over idle cores itself (``concurrent``: 4x slower with
             BLAS's own threads on 2 cores); the process's BLAS setting is restored whenever
             no aioautograd thread computes.
+        intra_op: how a large product uses idle cores: ``"split"`` cuts it into blocks that
+            the budget's helper threads claim (robust when other load takes a core: a slow
+            helper delays one block, and a starved one stops the splitting), ``"blas"`` lets
+            BLAS's own threads run it (their static split waits for the slowest thread, and
+            they spin for ~0.1 s afterwards, and their rounding depends on the thread count,
+            so gradients are no longer bitwise independent of the load; but on a quiet
+            machine they pack operands once).
         intra_op_min_flops: products of at least this many floating-point operations are
             split over idle cores (about 0.15 ms on one core; waking a helper costs ~40 µs;
             ``mlp``).
@@ -53,6 +60,7 @@ class EnginePolicy:
     cpu_threads: int | None = None
     cpu_cores: int | None = None
     manage_blas_threads: bool = True
+    intra_op: str = "split"
     intra_op_min_flops: float = 3.0e7
     blas_min_flops: float = 524_288.0
     worker_nice: int = 0

@@ -213,3 +213,30 @@ async def test_concurrent_offloaded_training_stays_within_the_cores() -> None:
     assert budget.peak <= budget.cores
     assert sum(after[tid] - before.get(tid, 0) for tid in after) > 0
     assert all(ticks <= 2 for ticks in foreign.values()), foreign  # 2 ticks: 20 ms
+
+
+def test_blas_intra_op_runs_a_large_product_on_blas_threads() -> None:
+    budget = CpuBudget(cores=2, min_split_flops=0.0)
+    budget.intra_op = "blas"
+    seen: list[int] = []
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((512, 512))
+    real_matmul = np.matmul
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append(blas.get())
+        return real_matmul(*args, **kwargs)
+
+    import aioautograd.devices.cpu_budget as module
+
+    saved = module.np.matmul
+    module.np.matmul = spy  # type: ignore[assignment]
+    try:
+        out = budget.matmul(a, a)
+    finally:
+        module.np.matmul = saved  # type: ignore[assignment]
+    np.testing.assert_allclose(out, a @ a, rtol=1e-12)
+    if blas.available:
+        assert seen == [2]  # BLAS's own two threads for this product
+        assert budget.split_products == 0
+    assert budget.active == 0
