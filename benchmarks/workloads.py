@@ -741,21 +741,38 @@ class _MygradMlp(Case):
         return {"relu": "mygrad.nnet.activations.relu", "loss": "mygrad softmax_crossentropy"}
 
 
-class _AioMlpInline(_AioMlp):
-    """The subject with the engine's opt-in inline execution (``inline_budget_s``, 1 ms):
-    small CPU nodes run on the loop's thread instead of an executor."""
+class _AioMlpPolicy(_AioMlp):
+    """The subject on an engine with another policy, installed as the default engine (and
+    so as the CPU budget's configuration) for its runs only."""
+
+    policy = ag.engine.EnginePolicy()
 
     async def run(self) -> float:
-        engine = ag.engine.get_default_engine()
-        saved = engine.inline_budget_s
-        engine.inline_budget_s = INLINE_BUDGET_S
+        previous = ag.set_default_engine(self.engine)
         try:
             return await super().run()
         finally:
-            engine.inline_budget_s = saved
+            ag.set_default_engine(previous if previous is not None else ag.engine.Engine())
+
+    @property
+    def engine(self) -> ag.engine.Engine:
+        engine = self.__dict__.get("_engine")
+        if engine is None:
+            engine = self.__dict__["_engine"] = ag.engine.Engine(self.policy)
+        return engine
 
 
-INLINE_BUDGET_S = 0.001
+class _AioMlpExecutors(_AioMlpPolicy):
+    """No inline execution (``inline_budget_s=0``): every node on an executor thread."""
+
+    policy = ag.engine.EnginePolicy(inline_budget_s=0.0)
+
+
+class _AioMlpBlas(_AioMlpPolicy):
+    """``intra_op="blas"``: a product computed alone runs on BLAS's own threads."""
+
+    policy = ag.engine.EnginePolicy(intra_op="blas")
+
 
 # SPEC §8's MLP 784-1024-1024-10, batch 256 (the smoke test's tiny one is 12-16-16-10).
 MLP_SIZES: dict[str, Params] = {
@@ -770,7 +787,8 @@ _MLP_IMPLS = (
     Impl("numpy", _NumpyMlp),
     Impl("autograd", _HipsMlp, ("autograd",)),
     Impl("mygrad", _MygradMlp, ("mygrad",)),
-    Impl(f"{SUBJECT}-inline", _AioMlpInline, main_table=False),
+    Impl(f"{SUBJECT}-executors", _AioMlpExecutors, main_table=False),
+    Impl(f"{SUBJECT}-blas", _AioMlpBlas, main_table=False),
 )
 
 
