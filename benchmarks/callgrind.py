@@ -23,13 +23,18 @@ instructions); ``--json`` prints the phases' raw counts too.
 Conditions: ``PYTHONHASHSEED=0`` (set iteration order is fixed), a full garbage collection
 before each counted phase (so that no phase inherits another's garbage), BLAS and OpenMP
 pools at one thread (a spinning idle pool would count instructions that are not the
-workload's). callgrind runs about 50-100x slower than native: the 10,000-node chain takes
-about half a minute per implementation.
+workload's). callgrind runs about 50x slower than native (the 10,000-node chain takes about
+half a minute per implementation), so the engine's time-based policies would decide
+differently under it: a worker would pause for the loop every few nodes instead of every few
+hundred, and an awaited backward would leave its inline budget after a few nodes. The default
+engine's ``gil_hold_s`` and ``inline_budget_s`` are therefore multiplied by ``--time-scale``
+(default 50) in the counted process, so that they fire about as often per node as natively.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -63,6 +68,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--size", default="full", choices=("full", "quick", "tiny"))
     parser.add_argument("--repeats", type=int, default=3, help="counted repeats (median shown)")
     parser.add_argument("--warmup", type=int, default=2, help="uncounted repeats first")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=50.0,
+        help="multiply the engine's gil_hold_s and inline_budget_s by this (callgrind's slowdown)",
+    )
     parser.add_argument("--json", action="store_true", help="print the raw counts as JSON too")
     parser.add_argument("--inner", metavar="LABELS", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -76,8 +87,20 @@ def _inner(args: argparse.Namespace) -> None:
     import asyncio
     import inspect
 
+    import aioautograd as ag
     from benchmarks.workloads import REGISTRY
 
+    if args.time_scale != 1.0:
+        policy = ag.get_default_engine().policy
+        ag.Engine.set_default_engine(
+            ag.Engine(
+                dataclasses.replace(
+                    policy,
+                    gil_hold_s=policy.gil_hold_s * args.time_scale,
+                    inline_budget_s=policy.inline_budget_s * args.time_scale,
+                )
+            )
+        )
     (workload_name,) = args.workloads
     workload = REGISTRY[workload_name]
     (impl,) = [i for i in workload.impls if i.name == args.impl]
@@ -131,6 +154,7 @@ def count(workload: str, impl: str, args: argparse.Namespace) -> dict[str, Any]:
             f"--size={args.size}",
             f"--repeats={args.repeats}",
             f"--warmup={args.warmup}",
+            f"--time-scale={args.time_scale}",
             f"--inner={labels_file}",
         ]
         env = {**os.environ, **_ENV}
