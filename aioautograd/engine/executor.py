@@ -111,7 +111,7 @@ class Executor:
         elif item is _STOP:
             return False
         else:
-            self.run(item)  # type: ignore[arg-type]
+            self.run(item, drain=True)  # type: ignore[arg-type]
         return True
 
     def _next_task(self) -> NodeTask | OffloadedCall | None:
@@ -123,13 +123,15 @@ class Executor:
             worker_state.pause_at = now + hold
         return task  # type: ignore[no-any-return]
 
-    def run(self, task: NodeTask | None) -> None:
+    def run(self, task: NodeTask | None, drain: bool = False) -> None:
         """Evaluate ``task`` and the chain of same-device successors it makes ready
         (executor thread). While it runs, the thread counts against the CPU budget, and it
-        waits between two nodes while the budget is overdrawn."""
-        from aioautograd.engine.evaluate import evaluate_task
-
+        waits between two nodes while the budget is overdrawn. With ``drain``, it goes on
+        with the NodeTasks already queued, so that a graph whose nodes go through the queue
+        (a fan) pays this set-up once, not once per node."""
+        evaluate_task = _evaluate_task or _load_evaluate_task()
         engine = self.engine
+        queue = self.queue
         with self._busy_lock:
             self.busy += 1
         budget = cpu_budget() if self.device.type == "cpu" else None
@@ -142,6 +144,8 @@ class Executor:
                 pause_if_due()
                 if budget is not None and budget.over_budget():
                     budget.wait_for_core()
+                if task is None and drain:
+                    task = queue.pop_nowait()
         finally:
             if counted:
                 budget.leave()  # type: ignore[union-attr]
@@ -210,6 +214,19 @@ class Executor:
             thread.start()
             graph_task.wait_completed()
             thread.join()
+
+
+_evaluate_task: Callable[[Engine, NodeTask, Executor], NodeTask | None] | None = None
+
+
+def _load_evaluate_task() -> Callable[[Engine, NodeTask, Executor], NodeTask | None]:
+    # evaluate.py imports this module (through graph_task.py): bound on first use, because an
+    # import statement inside ``run`` cost ~8k instructions per call (callgrind).
+    global _evaluate_task
+    from aioautograd.engine.evaluate import evaluate_task
+
+    _evaluate_task = evaluate_task
+    return evaluate_task
 
 
 class OffloadedCall:

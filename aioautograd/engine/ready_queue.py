@@ -124,6 +124,17 @@ class ReadyQueue:
                 self._waiters.append(channel)
             channel.get()  # removed from _waiters by whoever put the token
 
+    def pop_nowait(self) -> NodeTask | None:
+        """The next NodeTask if one is queued, else ``None`` (never an offloaded call)."""
+        heap = self._heap
+        if not heap:  # an unlocked peek: a hint, checked again under the lock
+            return None
+        with self._lock:
+            if heap:
+                task: NodeTask = heapq.heappop(heap)[2]
+                return task
+        return None
+
     def top_key(self) -> int | None:
         """The key of the next task to pop, or ``None`` (an unlocked peek: a hint only)."""
         heap = self._heap
