@@ -137,6 +137,8 @@ class CpuBudget:
         self.peak = 0  # the most threads ever counted at once (tests check the budget)
         self.split_products = 0  # products run in parts (observability)
         self.split_backoffs = 0  # times splitting paused because helpers were starved
+        self.sliced_products = 0  # products run in sequential slices (observability)
+        self.slice_flops = 1.0e8
         self._no_split_until = 0.0
         self._starved = 0  # split products in a row whose helpers were late
         self._blas = _BlasThreads() if manage_blas else None
@@ -272,6 +274,8 @@ class CpuBudget:
         try:
             if helpers:
                 return self._split(a, b, helpers)
+            if counted and split_size >= 2 * CHUNK_ALIGN and flops >= 2 * self.slice_flops:
+                return self._sliced(a, b, int(flops // self.slice_flops))
             return np.matmul(a, b)
         finally:
             with self._lock:
@@ -305,6 +309,21 @@ class CpuBudget:
         else:
             self._starved = 0
         self.split_products += 1
+        return out
+
+    def _sliced(
+        self, a: np.ndarray[Any, Any], b: np.ndarray[Any, Any], slices: int
+    ) -> np.ndarray[Any, Any]:
+        """The product in sequential slices on this (counted) thread, with a yield point
+        between them: while every core computes, one BLAS call of several milliseconds
+        would keep the event loop's thread waiting for a core that long (the kernel lets the
+        running thread finish its time slice, about 2.5 ms measured)."""
+        rows, cols = a.shape[-2], b.shape[1]
+        out = np.empty((*a.shape[:-1], cols), dtype=np.result_type(a.dtype, b.dtype))
+        job = _SplitProduct(a, b, out, rows >= cols, slices, between=self.yield_point)
+        job.run_chunks()
+        job.wait()
+        self.sliced_products += 1
         return out
 
     def _take_helpers(self, count: int) -> list[_Helper]:
@@ -353,6 +372,7 @@ class _SplitProduct:
         out: np.ndarray[Any, Any],
         by_rows: bool,
         chunks: int,
+        between: Callable[[], None] | None = None,
     ) -> None:
         size = out.shape[-2] if by_rows else out.shape[-1]
         blocks = -(-size // CHUNK_ALIGN)
@@ -365,16 +385,21 @@ class _SplitProduct:
         self._left = chunks  # chunks not finished yet
         self._finished = threading.Event()
         self._error: BaseException | None = None
+        self._between = between  # called between two chunks computed by one thread
 
     def run_chunks(self) -> None:
         """Compute chunks until none is left to claim (any thread)."""
         bounds = self._bounds
+        first = True
         while True:
             with self._lock:
                 index = self._next
                 if index + 1 >= len(bounds):
                     return
                 self._next = index + 1
+            if not first and self._between is not None:
+                self._between()
+            first = False
             start, stop = bounds[index], bounds[index + 1]
             try:
                 if self._by_rows:
@@ -430,32 +455,21 @@ _budget_lock = threading.Lock()
 
 def cpu_budget() -> CpuBudget:
     """The process's CPU budget, configured by the default engine's policy."""
-    global _budget
     budget = _budget
     if budget is None:
-        with _budget_lock:
-            budget = _budget
-            if budget is None:
-                from aioautograd.engine.policy import EnginePolicy
+        from aioautograd.engine.policy import EnginePolicy
 
-                policy = EnginePolicy()
-                budget = _budget = CpuBudget(
-                    policy.cpu_cores or usable_cores(),
-                    policy.intra_op_min_flops,
-                    policy.blas_min_flops,
-                    manage_blas=policy.manage_blas_threads,
-                )
-                budget.intra_op = policy.intra_op
+        budget = configure(EnginePolicy(), only_if_unset=True)
     return budget
 
 
-def configure(policy: Any) -> CpuBudget:
+def configure(policy: Any, only_if_unset: bool = False) -> CpuBudget:
     """Apply an ``EnginePolicy`` to the process's budget (``set_default_engine`` does this).
 
     The budget is updated in place: threads counted now stay counted, helpers are reused.
     """
     global _budget
-    cores = policy.cpu_cores or usable_cores()
+    cores = max(1, policy.cpu_cores or usable_cores())
     with _budget_lock:
         budget = _budget
         if budget is None:
@@ -465,13 +479,14 @@ def configure(policy: Any) -> CpuBudget:
                 policy.blas_min_flops,
                 manage_blas=policy.manage_blas_threads,
             )
-            budget.intra_op = policy.intra_op
+        elif only_if_unset:
             return budget
     with budget._lock:
-        budget.cores = max(1, cores)
+        budget.cores = cores
         budget.min_split_flops = policy.intra_op_min_flops
         budget.min_counted_flops = policy.blas_min_flops
         budget.intra_op = policy.intra_op
+        budget.slice_flops = policy.product_slice_flops
         if policy.manage_blas_threads and budget._blas is None:
             budget._blas = _BlasThreads()
             budget._user_blas_threads = budget._blas.get()

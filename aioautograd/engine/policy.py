@@ -36,6 +36,11 @@ class EnginePolicy:
             ``mlp``).
         blas_min_flops: products below this are left alone, uncounted: OpenBLAS runs them on
             one thread anyway (its threshold is m·n·k < 262,144).
+        product_slice_flops: a worker's product that is not split (every core busy) is
+            computed in sequential slices of about this many operations (~1 ms on one
+            core), with a pause check between them: the kernel let a worker's 2-3 ms BLAS
+            call finish its time slice before the event loop's thread got the core
+            (``concurrent``, offload step: heartbeat p99 2.6 ms whatever ``gil_hold_s``).
         worker_nice: CPU workers run this much below the process's priority (Linux). 0 by
             default: at +10 the workers lost most of their CPU to any other busy process
             (the aiohttp app under wrk load trained at 5 steps/s instead of 21), while the
@@ -50,10 +55,11 @@ class EnginePolicy:
         inline_max_elements: a node runs inline only if the gradients it reads and writes
             have at most this many elements (keeps matrix products off the loop).
         gil_hold_s: a worker lets other threads take the GIL, and a core, after running
-            this long (checked after every node and before every large product of an
-            offloaded step): CPython's switch interval is 5 ms, and with every core busy
-            the kernel took 3-4 ms to give the event loop's thread one (``stall_chain``,
-            ``concurrent``).
+            this long (checked after every node, and before every large product and between
+            the slices of one): CPython's switch interval is 5 ms, and with every core busy
+            the kernel took 2.5-4 ms to give the event loop's thread one. ``concurrent``
+            with offloaded steps, heartbeat p99 with product slices: 2.5 ms at 2 ms, 1.8 ms
+            at 1 ms, 1.7 ms at 0.5 ms, wall times within 4% of each other.
         gil_pause_s: how long it lets them.
     """
 
@@ -63,9 +69,10 @@ class EnginePolicy:
     intra_op: str = "split"
     intra_op_min_flops: float = 3.0e7
     blas_min_flops: float = 524_288.0
+    product_slice_flops: float = 1.0e8
     worker_nice: int = 0
     inline_budget_s: float = 0.0005
     inline_max_nodes: int = 256
     inline_max_elements: int = 1 << 16
-    gil_hold_s: float = 0.002
+    gil_hold_s: float = 0.001
     gil_pause_s: float = 0.00002

@@ -240,3 +240,22 @@ def test_blas_intra_op_runs_a_large_product_on_blas_threads() -> None:
         assert seen == [2]  # BLAS's own two threads for this product
         assert budget.split_products == 0
     assert budget.active == 0
+
+
+def test_a_counted_thread_computes_a_large_product_in_slices_with_yield_points() -> None:
+    budget = CpuBudget(cores=1, min_split_flops=0.0, manage_blas=False)  # no core to split on
+    budget.slice_flops = 2e6
+    yields: list[int] = []
+    budget.yield_point = lambda: yields.append(1)  # type: ignore[method-assign]
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((512, 256))
+    b = rng.standard_normal((256, 384))
+    assert budget.enter()
+    try:
+        out = budget.matmul(a, b)
+    finally:
+        budget.leave()
+    assert np.array_equal(out, np.matmul(a, b))  # slices align as splits do: same bits
+    assert budget.sliced_products == 1
+    assert budget.split_products == 0
+    assert len(yields) >= 2  # before the product, and between slices
