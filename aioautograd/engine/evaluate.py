@@ -3,7 +3,8 @@
 Order, as in PyTorch: tensor pre-hooks (and ``retain_grad``), captures for ``grad()``,
 node pre-hooks, the node, ``validate_outputs``, post-hooks, the anomaly NaN check, release of
 saved tensors, then the dependency bookkeeping that fills input buffers and makes successor
-tasks ready. All of it runs on the executor thread.
+tasks ready. It runs on an executor thread, or on the awaiting event loop's thread for the
+small nodes that inline execution takes (``inline.py``); ``async`` nodes go to the loop.
 """
 
 from __future__ import annotations
