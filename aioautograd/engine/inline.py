@@ -9,8 +9,9 @@ ops (``Node.inline``) without user hooks, whose gradients are small (the policy'
 ``inline_max_elements``), in a graph of at most ``inline_max_nodes`` nodes, within the
 policy's ``inline_budget_s`` (SPEC §3's latency budget; 0 keeps all tensor math off the
 loop). The first node that does not qualify, or the budget running out, hands every task
-left to the executors, and the coroutine then awaits as usual. The loop is therefore never blocked for longer than the
-budget plus one small node, and a large backward runs on the executors from its first node.
+left to the executors, and the coroutine then awaits as usual. The loop is therefore never
+blocked for longer than the budget plus one small node, and a large backward runs on the
+executors from its first node.
 """
 
 from __future__ import annotations
