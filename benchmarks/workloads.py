@@ -235,6 +235,11 @@ register(
 
 
 class _ChainForward(Case):
+    """``h = x * c`` n times, then the library's sum (kept in ``result``); subclasses set
+    ``x`` (a tensor of their library) and, where ``sum`` is not a method, ``total``."""
+
+    x: Any
+
     def __init__(self, params: Params) -> None:
         self.n = params["n"]
         self.nodes = self.n + 1
@@ -243,18 +248,21 @@ class _ChainForward(Case):
     def prepare(self) -> None:
         self.result = None
 
-
-class _AioChainForward(_ChainForward):
-    def __init__(self, params: Params) -> None:
-        super().__init__(params)
-        self.x = ag.tensor(_seed_array((4,)), requires_grad=True)
+    def total(self, h: Any) -> Any:
+        return h.sum()
 
     def run(self) -> float:
         h = self.x
         for _ in range(self.n):
             h = h * CHAIN_FACTOR
-        self.result = h.sum()
+        self.result = self.total(h)
         return float(self.result.item())
+
+
+class _AioChainForward(_ChainForward):
+    def __init__(self, params: Params) -> None:
+        super().__init__(params)
+        self.x = ag.tensor(_seed_array((4,)), requires_grad=True)
 
 
 class _TorchChainForward(_ChainForward):
@@ -263,13 +271,6 @@ class _TorchChainForward(_ChainForward):
 
         super().__init__(params)
         self.x = torch.tensor(_seed_array((4,)), requires_grad=True)
-
-    def run(self) -> float:
-        h = self.x
-        for _ in range(self.n):
-            h = h * CHAIN_FACTOR
-        self.result = h.sum()
-        return float(self.result.item())
 
 
 class _HipsChainForward(_ChainForward):
@@ -304,12 +305,8 @@ class _MygradChainForward(_ChainForward):
         self.mg = mg
         self.x = mg.tensor(_seed_array((4,)))
 
-    def run(self) -> float:
-        h = self.x
-        for _ in range(self.n):
-            h = h * CHAIN_FACTOR
-        self.result = self.mg.sum(h)
-        return float(self.result.item())
+    def total(self, h: Any) -> Any:
+        return self.mg.sum(h)
 
 
 class _NumpyChainForward(_ChainForward):
@@ -317,11 +314,8 @@ class _NumpyChainForward(_ChainForward):
         super().__init__(params)
         self.x = _seed_array((4,))
 
-    def run(self) -> float:
-        h = self.x
-        for _ in range(self.n):
-            h = h * CHAIN_FACTOR
-        return float(np.sum(h))
+    def total(self, h: Any) -> Any:
+        return np.sum(h)
 
 
 register(
