@@ -287,9 +287,7 @@ class CpuBudget:
     def _split(
         self, a: np.ndarray[Any, Any], b: np.ndarray[Any, Any], helpers: list[_Helper]
     ) -> np.ndarray[Any, Any]:
-        rows, cols = a.shape[-2], b.shape[1]
-        out = np.empty((*a.shape[:-1], cols), dtype=np.result_type(a.dtype, b.dtype))
-        job = _SplitProduct(a, b, out, rows >= cols, CHUNKS_PER_THREAD * (len(helpers) + 1))
+        job = _SplitProduct(a, b, CHUNKS_PER_THREAD * (len(helpers) + 1))
         for helper in helpers:
             helper.inbox.put(job)
         started = time.perf_counter()
@@ -309,7 +307,7 @@ class CpuBudget:
         else:
             self._starved = 0
         self.split_products += 1
-        return out
+        return job.out
 
     def _sliced(
         self, a: np.ndarray[Any, Any], b: np.ndarray[Any, Any], slices: int
@@ -318,13 +316,11 @@ class CpuBudget:
         between them: while every core computes, one BLAS call of several milliseconds
         would keep the event loop's thread waiting for a core that long (the kernel lets the
         running thread finish its time slice, about 2.5 ms measured)."""
-        rows, cols = a.shape[-2], b.shape[1]
-        out = np.empty((*a.shape[:-1], cols), dtype=np.result_type(a.dtype, b.dtype))
-        job = _SplitProduct(a, b, out, rows >= cols, slices, between=self.yield_point)
+        job = _SplitProduct(a, b, slices, between=self.yield_point)
         job.run_chunks()
         job.wait()
         self.sliced_products += 1
-        return out
+        return job.out
 
     def _take_helpers(self, count: int) -> list[_Helper]:
         # Called with the lock held.
@@ -363,23 +359,26 @@ SPLIT_BACKOFF_S = 0.2
 
 
 class _SplitProduct:
-    """``out = a @ b`` cut in row (or column) blocks that threads claim until none is left."""
+    """``out = a @ b`` (``a`` 2-D or batched, ``b`` 2-D) cut in blocks of the larger of the
+    output's rows and columns, that threads claim until none is left."""
 
     def __init__(
         self,
         a: np.ndarray[Any, Any],
         b: np.ndarray[Any, Any],
-        out: np.ndarray[Any, Any],
-        by_rows: bool,
         chunks: int,
         between: Callable[[], None] | None = None,
     ) -> None:
-        size = out.shape[-2] if by_rows else out.shape[-1]
+        rows, cols = a.shape[-2], b.shape[1]
+        out = np.empty((*a.shape[:-1], cols), dtype=np.result_type(a.dtype, b.dtype))
+        self.out = out
+        by_rows = rows >= cols
+        size = rows if by_rows else cols
         blocks = -(-size // CHUNK_ALIGN)
         macs_per_block = CHUNK_ALIGN * out.size // size * a.shape[-1]
         chunks = max(1, min(chunks, blocks, macs_per_block * blocks // MIN_CHUNK_MACS))
         self._bounds = [min(size, CHUNK_ALIGN * (blocks * i // chunks)) for i in range(chunks + 1)]
-        self._a, self._b, self._out, self._by_rows = a, b, out, by_rows
+        self._a, self._b, self._by_rows = a, b, by_rows
         self._lock = threading.Lock()
         self._next = 0
         self._left = chunks  # chunks not finished yet
@@ -404,10 +403,10 @@ class _SplitProduct:
             try:
                 if self._by_rows:
                     np.matmul(
-                        self._a[..., start:stop, :], self._b, out=self._out[..., start:stop, :]
+                        self._a[..., start:stop, :], self._b, out=self.out[..., start:stop, :]
                     )
                 else:
-                    np.matmul(self._a, self._b[:, start:stop], out=self._out[..., start:stop])
+                    np.matmul(self._a, self._b[:, start:stop], out=self.out[..., start:stop])
             except BaseException as exc:  # reported to the thread that asked for the product
                 self._error = exc
             with self._lock:

@@ -45,7 +45,6 @@ class _WorkerState(threading.local):
 
     executor: Executor | None = None
     depth: int = 0
-    evaluated: int = 0  # nodes this thread has evaluated
     pause_at: float = 0.0  # when it next lets other threads take the GIL
 
 
@@ -66,6 +65,8 @@ class Executor:
         self._start_lock = threading.Lock()
         self._busy_lock = threading.Lock()
         self.busy = 0  # threads currently running a task (for observability and tests)
+        # The process's CPU budget (one object, updated in place by set_default_engine).
+        self._budget = cpu_budget() if device.type == "cpu" else None
 
     def push(self, task: NodeTask, wake: bool = True) -> None:
         if len(self._threads) < self.num_threads:
@@ -92,7 +93,7 @@ class Executor:
                 self._threads.append(thread)
                 thread.start()
 
-    def _thread_main(self) -> None:
+    def _become_worker(self) -> None:
         worker_state.executor = self
         worker_state.depth = 0
         if self.device.type == "cpu":
@@ -100,6 +101,9 @@ class Executor:
         # Backward formulas evaluate masked-out branches (pow at 0, log of a clamped value):
         # like PyTorch, produce inf/nan silently instead of NumPy warnings on this thread.
         numpy.seterr(all="ignore")
+
+    def _thread_main(self) -> None:
+        self._become_worker()
         # No local reference survives an iteration: an idle worker must not keep the last
         # graph (and its buffers) alive until its next task.
         while self._serve(self._next_task()):
@@ -132,38 +136,40 @@ class Executor:
         evaluate_task = _evaluate_task or _load_evaluate_task()
         engine = self.engine
         queue = self.queue
-        with self._busy_lock:
-            self.busy += 1
-        budget = cpu_budget() if self.device.type == "cpu" else None
-        counted = budget is not None and budget.enter()
+        budget = self._budget
         state = worker_state
+        counted = self._begin_work()
         try:
             while task is not None:
                 task = evaluate_task(engine, task, self)
-                state.evaluated += 1
-                pause_if_due()
-                if budget is not None and budget.over_budget():
+                if time.perf_counter() > state.pause_at:
+                    pause_if_due()
+                if budget is not None and budget.active > budget.cores:  # overdrawn
                     budget.wait_for_core()
                 if task is None and drain:
                     task = queue.pop_nowait()
         finally:
-            if counted:
-                budget.leave()  # type: ignore[union-attr]
-            with self._busy_lock:
-                self.busy -= 1
+            self._end_work(counted)
 
     def _run_call(self, call: OffloadedCall) -> None:
-        budget = cpu_budget() if self.device.type == "cpu" else None
-        counted = budget is not None and budget.enter()
-        with self._busy_lock:
-            self.busy += 1
+        counted = self._begin_work()
         try:
             call.run()
         finally:
-            with self._busy_lock:
-                self.busy -= 1
-            if counted:
-                budget.leave()  # type: ignore[union-attr]
+            self._end_work(counted)
+
+    def _begin_work(self) -> bool:
+        """Count this thread as busy, and against the CPU budget (waiting for a core);
+        return whether the budget counted it (False on a reentrant run)."""
+        with self._busy_lock:
+            self.busy += 1
+        return self._budget is not None and self._budget.enter()
+
+    def _end_work(self, counted: bool) -> None:
+        if counted:
+            self._budget.leave()  # type: ignore[union-attr]
+        with self._busy_lock:
+            self.busy -= 1
 
     def drive(self, graph_task: GraphTask) -> None:
         """Serve this executor's queue on the current thread until ``graph_task`` completes
@@ -179,7 +185,7 @@ class Executor:
         worker_state.depth += 1
         graph_task.owner_queue = self.queue
         context = contextvars.Context()
-        budget = cpu_budget() if self.device.type == "cpu" else None
+        budget = self._budget
         queue = self.queue
 
         def completed() -> bool:
@@ -198,17 +204,13 @@ class Executor:
 
     def _drive_on_fresh_thread(self, graph_task: GraphTask) -> None:
         def main() -> None:
-            worker_state.executor = self
-            worker_state.depth = 0
-            if self.device.type == "cpu":
-                lower_priority(self.engine.policy.worker_nice)
-            numpy.seterr(all="ignore")
+            self._become_worker()
             self.drive(graph_task)
 
         thread = threading.Thread(
             target=main, name=f"aioautograd-{self.device}-reentrant", daemon=True
         )
-        budget = cpu_budget() if self.device.type == "cpu" else None
+        budget = self._budget
         with budget.lent() if budget is not None else contextlib.nullcontext():
             # This thread only waits: its core goes to the fresh one.
             thread.start()
