@@ -20,3 +20,12 @@ def to_numpy(value: Any) -> np.ndarray[Any, Any]:
 
 def assert_close(actual: Any, expected: Any, rtol: float = 1e-7, atol: float = 1e-9) -> None:
     np.testing.assert_allclose(to_numpy(actual), to_numpy(expected), rtol=rtol, atol=atol)
+
+
+def train_step(model: Any, optimizer: Any, x: ag.Tensor, y: ag.Tensor) -> float:
+    """One classifier training step as plain code (for ``aioautograd.offload``)."""
+    loss = ag.nn.functional.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    loss.backward_sync()
+    optimizer.step()
+    return float(loss.item())

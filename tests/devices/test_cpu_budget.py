@@ -15,7 +15,7 @@ import pytest
 import aioautograd as ag
 from aioautograd import nn, optim
 from aioautograd.devices.cpu_budget import CpuBudget, _BlasThreads, cpu_budget
-from aioautograd.nn import functional as F
+from tests.helpers import train_step
 
 blas = _BlasThreads()
 needs_blas_control = pytest.mark.skipif(
@@ -159,14 +159,6 @@ def test_a_worker_yields_its_core_while_a_caller_overdraws_the_budget() -> None:
     assert budget.active == 0
 
 
-def _train_step(model: nn.Module, opt: optim.Optimizer, x: ag.Tensor, y: ag.Tensor) -> float:
-    loss = F.cross_entropy(model(x), y)
-    opt.zero_grad()
-    loss.backward_sync()
-    opt.step()
-    return loss.item()
-
-
 def _cpu_ticks_by_thread() -> dict[int, int]:
     ticks = {}
     for tid in os.listdir("/proc/self/task"):
@@ -189,7 +181,7 @@ async def train_four_models_offloaded() -> None:
 
     async def train(model: nn.Module, opt: optim.Optimizer, x: ag.Tensor, y: ag.Tensor) -> None:
         for _ in range(8):
-            await ag.offload(_train_step, model, opt, x, y)
+            await ag.offload(train_step, model, opt, x, y)
 
     await asyncio.gather(*(train(*m) for m in models))
 

@@ -16,6 +16,7 @@ from aioautograd import nn, optim
 from aioautograd.engine import Engine, EnginePolicy
 from aioautograd.engine.executor import worker_state
 from aioautograd.nn import functional as F
+from tests.helpers import train_step
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -125,14 +126,6 @@ def _models(count: int) -> list[tuple[nn.Module, optim.Optimizer, ag.Tensor, ag.
     return out
 
 
-def _step(model: nn.Module, opt: optim.Optimizer, x: ag.Tensor, y: ag.Tensor) -> float:
-    loss = F.cross_entropy(model(x), y)
-    opt.zero_grad()
-    loss.backward_sync()
-    opt.step()
-    return loss.item()
-
-
 async def _natural(model: nn.Module, opt: optim.Optimizer, x: ag.Tensor, y: ag.Tensor) -> None:
     for _ in range(4):
         loss = F.cross_entropy(model(x), y)
@@ -143,7 +136,7 @@ async def _natural(model: nn.Module, opt: optim.Optimizer, x: ag.Tensor, y: ag.T
 
 async def _offloaded(model: nn.Module, opt: optim.Optimizer, x: ag.Tensor, y: ag.Tensor) -> None:
     for _ in range(4):
-        await ag.offload(_step, model, opt, x, y)
+        await ag.offload(train_step, model, opt, x, y)
 
 
 def _weights(runs: list[tuple[nn.Module, Any, Any, Any]]) -> list[np.ndarray]:
