@@ -8,7 +8,7 @@ from __future__ import annotations
 import builtins
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -196,7 +196,13 @@ class Tensor:
 
     @property
     def grad(self) -> Tensor | None:
-        """The accumulated gradient (``None`` until a backward pass reaches this leaf)."""
+        """The accumulated gradient (``None`` until a backward pass reaches this leaf).
+
+        Raises:
+            RuntimeError: when this task called ``backward()`` without ``await``.
+        """
+        if _pending.items:
+            check_awaited()
         return self._grad
 
     @grad.setter
@@ -282,18 +288,22 @@ class Tensor:
         return RemovableHandle(self._post_accumulate_grad_hooks, hook)
 
     # ------------------------------------------------------------------------- backward
-    async def backward(
+    def backward(
         self,
         gradient: Tensor | None = None,
-        retain_graph: bool | None = None,
-        create_graph: bool = False,
+        retain_graph: builtins.bool | None = None,
+        create_graph: builtins.bool = False,
         inputs: Tensor | Sequence[Tensor] | None = None,
-    ) -> None:
+    ) -> Coroutine[Any, Any, None]:
         """Accumulate the gradient of this tensor into the ``.grad`` of graph leaves.
 
-        A coroutine: ``await loss.backward()``. See :func:`aioautograd.backward`.
+        Returns a coroutine: ``await loss.backward()``. Reading ``.grad`` (as
+        ``optimizer.step()`` does) after calling it without ``await`` raises an error that
+        says so. See :func:`aioautograd.backward`.
         """
-        await api.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
+        return track(
+            api._backward(self, gradient, retain_graph, create_graph, inputs), "loss.backward()"
+        )
 
     def backward_sync(
         self,
@@ -733,6 +743,7 @@ def _check_grad_assignment(tensor: Tensor, grad: Any) -> None:
 from aioautograd.autograd.hooks import HookDict, RemovableHandle  # noqa: E402
 from aioautograd.autograd.node import AccumulateGrad  # noqa: E402
 from aioautograd.engine import api  # noqa: E402
+from aioautograd.engine.unawaited import _pending, check_awaited, track  # noqa: E402
 from aioautograd.ops import (  # noqa: E402
     arithmetic,
     indexing,

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from aioautograd.autograd.node import Edge
 from aioautograd.engine.engine import Engine
+from aioautograd.engine.unawaited import track
 from aioautograd.tensor import Tensor
 
 TensorOrTensors = Tensor | Sequence[Tensor]
@@ -119,17 +120,19 @@ def _accumulate_non_leaf(inputs: tuple[Tensor, ...], captured: list[Tensor | Non
             tensor._grad = grad if tensor._grad is None else tensor._grad + grad
 
 
-async def backward(
+def backward(
     tensors: TensorOrTensors,
     grad_tensors: TensorOrTensors | None = None,
     retain_graph: bool | None = None,
     create_graph: bool = False,
     inputs: TensorOrTensors | None = None,
-) -> None:
+) -> Coroutine[Any, Any, None]:
     """Accumulate gradients of ``tensors`` into the ``.grad`` of graph leaves.
 
-    A coroutine: the pass runs on the engine's executors while the event loop keeps serving
-    other tasks. Any number of backward passes may run concurrently.
+    Returns a coroutine to ``await``: the pass runs on the engine's executors while the event
+    loop keeps serving other tasks. Any number of backward passes may run concurrently
+    (``asyncio.gather``). Reading ``.grad`` (``optimizer.step()`` does) after calling it
+    without ``await`` raises an error instead of silently seeing no gradient.
 
     Args:
         tensors: roots to differentiate.
@@ -148,6 +151,19 @@ async def backward(
         loss = ((model(x) - y) ** 2).mean()
         await loss.backward()
     """
+    return track(
+        _backward(tensors, grad_tensors, retain_graph, create_graph, inputs),
+        "aioautograd.backward(...)",
+    )
+
+
+async def _backward(
+    tensors: TensorOrTensors,
+    grad_tensors: TensorOrTensors | None,
+    retain_graph: bool | None,
+    create_graph: bool,
+    inputs: TensorOrTensors | None,
+) -> None:
     roots, grads, keep_graph, outputs, input_tuple = _prepare_backward(
         tensors, grad_tensors, retain_graph, create_graph, inputs
     )
