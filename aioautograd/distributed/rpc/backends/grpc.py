@@ -28,8 +28,15 @@ import asyncio
 import hmac
 from typing import Any, NoReturn
 
-import grpc  # type: ignore[import-untyped]
 import msgpack  # type: ignore[import-untyped]
+
+try:
+    import grpc  # type: ignore[import-untyped]
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError(
+        "the `grpc` RPC backend needs grpcio, which a plain install leaves out: "
+        "pip install 'aioautograd[distributed]'"
+    ) from exc
 
 from aioautograd.distributed.rpc import wire
 from aioautograd.distributed.rpc.agent import RpcAgent
