@@ -5,6 +5,10 @@ Usage::
     python -m aioautograd.distributed.run --nproc 2 train.py --epochs 3
     python -m aioautograd.distributed.run --nproc 4 -m mypackage.train
 
+The launcher's own options come before the script (or ``-m module``); everything after it
+is the script's. A script that is not a file, or a module name without ``-m``, is refused
+with a message.
+
 Starts ``--nproc`` processes of the script (or module), each with ``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``AIOAUTOGRAD_RPC_TOKEN`` (a fresh random
 token unless one is set already) and ``AIOAUTOGRAD_RPC_BACKEND=grpc`` in the environment, so
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import os
 import secrets
 import signal
@@ -48,7 +53,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--nproc", type=int, required=True, help="number of processes")
     parser.add_argument("--master-addr", default="127.0.0.1", help="rank 0's address")
     parser.add_argument("--master-port", type=int, default=0, help="rank 0's port (0: free)")
-    parser.add_argument("--backend", default="grpc", help="AIOAUTOGRAD_RPC_BACKEND to set")
+    parser.add_argument(
+        "--backend",
+        default="grpc",
+        choices=["grpc"],
+        help="AIOAUTOGRAD_RPC_BACKEND to set (grpc: the backend that spans processes)",
+    )
     parser.add_argument(
         "--kill-timeout",
         type=float,
@@ -61,7 +71,20 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.nproc < 1:
         parser.error("--nproc must be at least 1")
+    if not args.module and not os.path.isfile(args.script):
+        parser.error(_missing_script(args.script))
     return args
+
+
+def _missing_script(script: str) -> str:
+    if not script.endswith(".py") and "/" not in script and os.sep not in script:
+        with contextlib.suppress(ImportError, ValueError):
+            if importlib.util.find_spec(script) is not None:
+                return (
+                    f"no file {script!r}; {script} is a module: run it with -m, as in "
+                    f"python -m aioautograd.distributed.run --nproc N -m {script} [args]"
+                )
+    return f"no file {script!r} (a module name needs -m before it)"
 
 
 class _Launcher:

@@ -10,10 +10,10 @@ Run on the embedded ``local`` backend (both workers are tasks of this process)::
 
     python -m aioautograd.examples.model_parallel
 
-or as two processes over gRPC::
+or as two processes over gRPC, started by the launcher (which sets ``RANK``, ``WORLD_SIZE``
+and the backend; the script then uses gRPC without being told)::
 
-    python -m aioautograd.distributed.run --nproc 2 -m aioautograd.examples.model_parallel \\
-        --backend grpc
+    python -m aioautograd.distributed.run --nproc 2 -m aioautograd.examples.model_parallel
 """
 
 from __future__ import annotations
@@ -145,16 +145,44 @@ async def main_local(steps: int, report_json: bool = False) -> list[float] | Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--backend", choices=["local", "grpc"], default="local")
+    parser.add_argument(
+        "--backend",
+        choices=["local", "grpc"],
+        help="local: both workers in this process (the default without the launcher); "
+        "grpc: one worker per process (the default under the launcher)",
+    )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--json", action="store_true", help="print step times as JSON")
     args = parser.parse_args()
-    if args.backend == "local":
+    backend = _check_backend(parser, args.backend)
+    if backend == "local":
         asyncio.run(main_local(args.steps, args.json))
     else:
         rank = int(os.environ["RANK"])
-        world = int(os.environ["WORLD_SIZE"])
-        asyncio.run(worker(rank, world, "grpc", args.steps, args.json))
+        asyncio.run(worker(rank, 2, backend, args.steps, args.json))
+
+
+def _check_backend(parser: argparse.ArgumentParser, backend: str | None) -> str:
+    """The backend to use, refusing combinations that cannot train one split model."""
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if not launched:
+        if backend == "grpc":
+            parser.error(
+                "--backend grpc runs one worker per process: start the two workers with the "
+                "launcher, python -m aioautograd.distributed.run --nproc 2 -m "
+                "aioautograd.examples.model_parallel"
+            )
+        return "local"
+    world = os.environ["WORLD_SIZE"]
+    if backend == "local":
+        parser.error(
+            f"--backend local runs both workers inside one process, but the launcher started "
+            f"{world} processes: each would train its own copy. Drop --backend local (the "
+            "launcher's backend is used), or run without the launcher."
+        )
+    if world != "2":
+        parser.error(f"the model is split across exactly 2 workers: use --nproc 2, not {world}")
+    return os.environ.get("AIOAUTOGRAD_RPC_BACKEND") or "grpc"
 
 
 if __name__ == "__main__":

@@ -64,3 +64,70 @@ def test_launcher_stops_everyone_when_one_fails(tmp_path: Path) -> None:
     done = _launch(tmp_path, "fail")
     assert done.returncode == 3
     assert "[launcher] rank 1 exited with code 3; stopping the others" in done.stderr
+
+
+def _run(*command: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *command],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+        env=env,
+    )
+
+
+def test_module_name_without_dash_m_says_to_add_it() -> None:
+    done = _run(
+        "-m", "aioautograd.distributed.run", "--nproc", "2", "aioautograd.examples.model_parallel"
+    )
+    assert done.returncode == 2
+    assert "-m aioautograd.examples.model_parallel" in done.stderr
+    assert "can't open file" not in done.stderr
+    assert "[rank" not in done.stdout + done.stderr  # nothing was started
+
+
+def test_missing_script_is_refused_before_starting(tmp_path: Path) -> None:
+    done = _run("-m", "aioautograd.distributed.run", "--nproc", "2", str(tmp_path / "nope.py"))
+    assert done.returncode == 2
+    assert "no file" in done.stderr
+    assert "[rank" not in done.stdout + done.stderr
+
+
+def test_launcher_refuses_the_single_process_backend() -> None:
+    done = _run(
+        "-m", "aioautograd.distributed.run", "--nproc", "2", "--backend", "local", "-m", "x"
+    )
+    assert done.returncode == 2
+    assert "invalid choice: 'local'" in done.stderr
+
+
+def test_example_grpc_without_the_launcher_says_how_to_launch() -> None:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = _run("-m", "aioautograd.examples.model_parallel", "--backend", "grpc", env=env)
+    assert done.returncode == 2
+    assert "KeyError" not in done.stderr
+    assert "python -m aioautograd.distributed.run --nproc 2 -m" in done.stderr
+
+
+def test_example_local_backend_under_the_launcher_is_an_error_not_two_copies() -> None:
+    done = _run(
+        "-m",
+        "aioautograd.distributed.run",
+        "--nproc",
+        "2",
+        "--kill-timeout",
+        "2",
+        "-m",
+        "aioautograd.examples.model_parallel",
+        "--backend",
+        "local",
+        "--steps",
+        "2",
+    )
+    assert done.returncode != 0
+    assert "each would train its own copy" in done.stderr
+    assert "final loss" not in done.stdout

@@ -63,6 +63,7 @@ async def test_model_parallel_example_matches_single_process_on_local_backend() 
 
 
 def test_model_parallel_example_over_grpc_with_the_launcher() -> None:
+    # The README's command: under the launcher the example uses its grpc backend by itself.
     pytest.importorskip("grpc")
     result = subprocess.run(
         [
@@ -73,8 +74,6 @@ def test_model_parallel_example_over_grpc_with_the_launcher() -> None:
             "2",
             "-m",
             "aioautograd.examples.model_parallel",
-            "--backend",
-            "grpc",
             "--steps",
             "6",
         ],
