@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -199,13 +200,48 @@ class Function:
                 if isinstance(arg, Tensor) and arg._requires_grad:
                     return _apply_with_grad(cls, args, kwargs)
         ctx = FunctionCtx()
-        outputs = cls.forward(ctx, *args, **kwargs)
+        try:
+            outputs = cls.forward(ctx, *args, **kwargs)
+        except ValueError as exc:
+            raise _broadcast_error(cls, args, exc) from exc
         for tensor in ctx.dirty_tensors:
             tensor._bump_version()
         return outputs
 
 
 _NO_EDGE: Edge = (None, 0)
+
+
+def _broadcast_error(cls: type[Function], args: tuple[Any, ...], exc: ValueError) -> Exception:
+    """NumPy's broadcasting ValueError as PyTorch's RuntimeError naming the op and the
+    mismatched dimension; any other ValueError unchanged."""
+    if "broadcast" not in str(exc):
+        return exc
+    shapes = [tuple(arg.shape) for arg in args if isinstance(arg, Tensor)]
+    shapes += [
+        tuple(arg.shape) for arg in args if getattr(arg, "ndim", 0) and not isinstance(arg, Tensor)
+    ]
+    detail = ""
+    for i, j in itertools.combinations(range(len(shapes)), 2):
+        a, b = shapes[i], shapes[j]
+        ndim = max(len(a), len(b))
+        for dim in range(1, ndim + 1):
+            size_a = a[-dim] if dim <= len(a) else 1
+            size_b = b[-dim] if dim <= len(b) else 1
+            if size_a != size_b and 1 not in (size_a, size_b):
+                detail = (
+                    f": the size of tensor {'abc'[i]} ({size_a}) must match the size of tensor "
+                    f"{'abc'[j]} ({size_b}) at non-singleton dimension {ndim - dim}"
+                )
+                break
+        if detail:
+            break
+    listed = " and ".join(str(shape) for shape in shapes)
+    return RuntimeError(
+        f"{cls.__name__.lower()}: shapes {listed} cannot be broadcast together{detail}. "
+        "Dimensions are matched from the right and must be equal or 1: reshape, unsqueeze "
+        "or expand an operand to make them match."
+    )
 
 
 def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -230,6 +266,8 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
     token = _grad_enabled.set(False)
     try:
         raw = cls.forward(node, *args, **kwargs)
+    except ValueError as exc:
+        raise _broadcast_error(cls, args, exc) from exc
     finally:
         _grad_enabled.reset(token)
 

@@ -52,9 +52,13 @@ def _make_grads(
                 f"gradients must be Tensors or None, but gradient {i} is a {type(grad).__name__}"
             )
         if grad.shape != out.shape:
+            shape = tuple(out.shape)
             raise RuntimeError(
                 f"Mismatch in shape: grad_output[{i}] has a shape of {tuple(grad.shape)} and "
-                f"output[{i}] has a shape of {tuple(out.shape)}."
+                f"output[{i}] has a shape of {shape}. Pass a gradient of the output's shape "
+                f"(the gradient of some scalar with respect to it; aioautograd.ones{shape} "
+                "differentiates the sum of its elements), or call backward on a scalar such "
+                "as output.sum()."
             )
         if grad.data.dtype.kind != out.data.dtype.kind:
             raise RuntimeError(

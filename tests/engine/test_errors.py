@@ -67,8 +67,14 @@ async def test_root_that_does_not_require_grad() -> None:
 
 async def test_gradient_shape_mismatch() -> None:
     x = ag.randn(3, requires_grad=True)
-    with pytest.raises(RuntimeError, match=r"Mismatch in shape: grad_output\[0\]"):
+    with pytest.raises(RuntimeError, match=r"Mismatch in shape: grad_output\[0\]") as info:
         await (x * 2).backward(ag.ones(4))
+    # The message says what to pass instead.
+    assert "Pass a gradient of the output's shape" in str(info.value)
+    assert "aioautograd.ones(3,)" in str(info.value)
+    assert "output.sum()" in str(info.value)
+    await (x * 2).backward(ag.ones(3))  # the engine keeps working
+    assert x.grad is not None
 
 
 async def test_gradient_dtype_mismatch() -> None:

@@ -377,3 +377,23 @@ async def test_same_tensor_on_both_sides_accumulates(device: str, torch: Any) ->
     await out.sum().backward()
     expected.sum().backward()
     assert_close(x.grad, t.grad, rtol=1e-13)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_broadcast_mismatch_is_a_runtime_error_naming_the_op(requires_grad: bool, torch) -> None:
+    a = ag.randn(3, 4, requires_grad=requires_grad)
+    b = ag.randn(5)
+    for name, fn, torch_fn in [
+        ("add", lambda x, y: x + y, torch.add),
+        ("mul", lambda x, y: x * y, torch.mul),
+        ("div", lambda x, y: x / y, torch.div),
+        ("maximum", ag.maximum, torch.maximum),
+    ]:
+        with pytest.raises(RuntimeError, match=rf"^{name}: shapes \(3, 4\) and \(5,\)") as info:
+            fn(a, b)
+        with pytest.raises(RuntimeError) as expected:
+            torch_fn(torch.randn(3, 4), torch.randn(5))
+        # PyTorch's own sentence is part of the message.
+        assert str(expected.value).lower() in str(info.value).lower()
+        assert "unsqueeze or expand" in str(info.value)
+    assert (a + b[:4]).shape == (3, 4)  # ops keep working afterwards
