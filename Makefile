@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_INDEX ?= $(shell $(PYTHON) -c "import os, socket; os.environ.get('HTTPS_PROXY') or os.environ.get('https_proxy') or socket.getaddrinfo('download.pytorch.org', 443)" >/dev/null 2>&1 && echo https://download.pytorch.org/whl/cpu)
 TEST_PIP_FLAGS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench notebooks clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,9 @@ lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check aioautograd tests benchmarks notebooks
 	$(BIN)/ruff format --check aioautograd tests benchmarks notebooks
 	$(BIN)/mypy aioautograd
+
+notebooks: $(VENV)/.installed-test
+	$(BIN)/python notebooks/execute.py
 
 bench: $(VENV)/.installed-bench
 	$(BIN)/python benchmarks/run.py

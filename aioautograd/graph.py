@@ -1,8 +1,10 @@
-"""Public helpers over the backward graph: ``to_dot`` (Graphviz source) and ``walk``."""
+"""Public helpers over the backward graph: ``walk``, ``to_dot`` (Graphviz source) and
+``draw`` (a matplotlib figure, for when Graphviz is not installed)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from aioautograd.autograd.node import AccumulateGrad, Node
 from aioautograd.tensor import Tensor
@@ -32,6 +34,19 @@ def _label(node: Node) -> str:
     return node.name()
 
 
+def _node_ids(root: Tensor | Node) -> dict[Node, str]:
+    """Readable, stable identifiers: the op's name, numbered when it occurs more than once
+    (``MulBackward0``, ``MulBackward0_2``), in walk order."""
+    ids: dict[Node, str] = {}
+    counts: dict[str, int] = {}
+    for node in walk(root):
+        base = "AccumulateGrad" if isinstance(node, AccumulateGrad) else node.name()
+        base = "".join(c if c.isalnum() or c == "_" else "_" for c in base)
+        counts[base] = counts.get(base, 0) + 1
+        ids[node] = base if counts[base] == 1 else f"{base}_{counts[base]}"
+    return ids
+
+
 def to_dot(root: Tensor | Node, name: str = "backward") -> str:
     """Graphviz source of the backward graph of ``root``.
 
@@ -39,6 +54,7 @@ def to_dot(root: Tensor | Node, name: str = "backward") -> str:
     ``dot`` command. Edges point from a node to the nodes its gradients flow into, and are
     labelled ``output -> input`` where a node has several.
     """
+    ids = _node_ids(root)
     lines = [f"digraph {name} {{", '  node [shape=box, fontname="Helvetica", fontsize=10];']
     if isinstance(root, Tensor):
         lines.append(
@@ -46,15 +62,75 @@ def to_dot(root: Tensor | Node, name: str = "backward") -> str:
             'fillcolor="#d9ead3"];'
         )
         if root.grad_fn is not None:
-            lines.append(f"  root -> n{id(root.grad_fn)};")
+            lines.append(f"  root -> {ids[root.grad_fn]};")
     for node in walk(root):
         style = ', style=filled, fillcolor="#cfe2f3"' if isinstance(node, AccumulateGrad) else ""
-        lines.append(f'  n{id(node)} [label="{_label(node)}"{style}];')
+        lines.append(f'  {ids[node]} [label="{_label(node)}"{style}];')
         edges = node.next_functions
         for output_nr, (next_node, input_nr) in enumerate(edges):
             if next_node is None:
                 continue
             label = f' [label="{output_nr}->{input_nr}"]' if len(edges) > 1 else ""
-            lines.append(f"  n{id(node)} -> n{id(next_node)}{label};")
+            lines.append(f"  {ids[node]} -> {ids[next_node]}{label};")
     lines.append("}")
     return "\n".join(lines)
+
+
+def draw(root: Tensor | Node, ax: Any = None) -> Any:
+    """Draw the backward graph of ``root`` with matplotlib (``pip install
+    'aioautograd[viz]'``); returns the Axes.
+
+    Nodes are boxes labelled with their op, laid out in rows by distance from the root
+    (the root on top, ``AccumulateGrad`` leaves shaded blue); arrows point where gradients
+    flow. Meant for graphs of up to a few dozen nodes; use :func:`to_dot` with Graphviz for
+    larger ones.
+    """
+    import matplotlib.pyplot as plt
+
+    nodes = list(walk(root))
+    depth: dict[Node, int] = {}
+    for node in nodes:  # longest distance from the root, so every arrow points down
+        depth.setdefault(node, 0)
+    changed = True
+    while changed:
+        changed = False
+        for node in nodes:
+            for next_node, _ in node.next_functions:
+                if next_node is not None and depth[next_node] < depth[node] + 1:
+                    depth[next_node] = depth[node] + 1
+                    changed = True
+    rows: dict[int, list[Node]] = {}
+    for node in nodes:
+        rows.setdefault(depth[node], []).append(node)
+    position: dict[Node, tuple[float, float]] = {}
+    widest = max((len(row) for row in rows.values()), default=1)
+    for level, row in rows.items():
+        for i, node in enumerate(row):
+            position[node] = ((i + 0.5) * widest / len(row), -float(level))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(4.0, 2.2 * widest), 0.9 * (len(rows) + 1)))
+    for node in nodes:
+        x, y = position[node]
+        for next_node, _ in node.next_functions:
+            if next_node is not None:
+                nx, ny = position[next_node]
+                ax.annotate(  # from the bottom of this box to the top of the next one
+                    "",
+                    xy=(nx, ny + 0.22),
+                    xytext=(x, y - 0.22),
+                    arrowprops={"arrowstyle": "-|>", "color": "0.4", "shrinkA": 0, "shrinkB": 0},
+                )
+        leaf = isinstance(node, AccumulateGrad)
+        ax.text(
+            x,
+            y,
+            _label(node).replace("\\n", "\n"),
+            ha="center",
+            va="center",
+            fontsize=8,
+            bbox={"boxstyle": "round", "fc": "#cfe2f3" if leaf else "white", "ec": "0.3"},
+        )
+    ax.set_xlim(0, widest)
+    ax.set_ylim(-len(rows) + 0.4, 0.6)
+    ax.axis("off")
+    return ax

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import aioautograd as ag
 
 
@@ -26,3 +28,44 @@ def test_walk_handles_a_deep_chain() -> None:
     for _ in range(5000):
         h = h * 1.0
     assert sum(1 for _ in ag.graph.walk(h)) == 5001
+
+
+def test_to_dot_names_nodes_by_op() -> None:
+    x = ag.randn(3, requires_grad=True)
+    y = (x * 2.0 * 3.0).sum()
+    dot = ag.graph.to_dot(y)
+    assert "root -> SumBackward0;" in dot
+    assert "SumBackward0 -> MulBackward0" in dot
+    assert "MulBackward0 -> MulBackward0_2" in dot
+    assert "MulBackward0_2 -> AccumulateGrad" in dot
+    assert " n1" not in dot  # no id()-based names
+
+
+def test_draw_places_every_node_once_with_matplotlib() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    x = ag.randn(2, 3, requires_grad=True)
+    w = ag.randn(3, 1, requires_grad=True)
+    y = (x @ w).exp().sum()
+    ax = ag.graph.draw(y)
+    labels = sorted(text.get_text() for text in ax.texts if text.get_text())
+    assert labels == sorted(
+        [
+            "SumBackward0",
+            "ExpBackward0",
+            "MatMulBackward0",
+            "AccumulateGrad\n(2, 3) float32",
+            "AccumulateGrad\n(3, 1) float32",
+        ]
+    )
+    arrows = [text for text in ax.texts if not text.get_text()]
+    assert len(arrows) == 4  # one per graph edge
+    # The root is on top, every arrow points down.
+    positions = {text.get_text(): text.get_position() for text in ax.texts if text.get_text()}
+    assert positions["SumBackward0"][1] > positions["ExpBackward0"][1]
+    assert positions["MatMulBackward0"][1] > positions["AccumulateGrad\n(3, 1) float32"][1]
+    import matplotlib.pyplot as plt
+
+    plt.close(ax.figure)

@@ -16,14 +16,17 @@ def test_notebook_runs(path: Path) -> None:
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     notebook = nbformat.read(path, as_version=4)
-    # A notebook is stored without outputs, unless its metadata says where they come from
-    # (04_cuda_streams keeps the outputs of a run on a GPU): they are cleared for this run.
-    executed_on = notebook.metadata.get("aioautograd", {}).get("executed_on")
-    for cell in notebook.cells:
-        if cell.cell_type == "code":
-            assert executed_on or not cell.outputs, f"{path.name} has outputs; clear them"
-            cell.outputs = []
-            cell.execution_count = None
+    # Notebooks are stored executed, so that GitHub shows their outputs (python
+    # notebooks/execute.py), and small; they are cleared and run again here.
+    assert path.stat().st_size < 256 * 1024, f"{path.name}: outputs too large, shrink figures"
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    counts = [cell.execution_count for cell in code]
+    assert counts == list(range(1, len(code) + 1)), f"{path.name}: not stored executed in order"
+    assert any(cell.outputs for cell in code)
+    assert not [o for cell in code for o in cell.outputs if o.get("output_type") == "error"]
+    for cell in code:
+        cell.outputs = []
+        cell.execution_count = None
     client = nbclient.NotebookClient(
         notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
     )
