@@ -1,1 +1,1 @@
-"""Benchmarks of SPEC §8: run with ``python benchmarks/run.py``."""
+"""Benchmarks of spec §8 (benchmarks/README.md, Targets): run with ``python benchmarks/run.py``."""

@@ -1,4 +1,4 @@
-"""The SPEC §8 figures about concurrency: ``concurrent`` (4 models trained at once with
+"""The spec §8 figures about concurrency: ``concurrent`` (4 models trained at once with
 ``asyncio.gather`` vs one after another) and ``stall`` / ``stall_chain`` (how late a 1 ms
 heartbeat on the event loop runs while a large backward is under way).
 

@@ -1,4 +1,4 @@
-"""The SPEC §8 distributed figure, ``model_parallel``: one training step of
+"""The spec §8 distributed figure, ``model_parallel``: one training step of
 ``aioautograd.examples.model_parallel`` (2-64 on worker 0, 64-64-3 on worker 1, 600 spiral
 points; a distributed autograd context, the forward across the split, the distributed
 backward and a distributed optimizer step on both owners) on worlds of two workers:

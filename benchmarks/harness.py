@@ -20,7 +20,7 @@ import numpy as np
 import aioautograd as ag
 from benchmarks.workloads import SUBJECT, Case, Workload, format_seconds
 
-# Table columns: the two baselines SPEC §8 names first, then the optional libraries.
+# Table columns: the two baselines spec §8 names first, then the optional libraries.
 BASELINE_ORDER = ("torch", "numpy", "autograd", "mygrad")
 
 

@@ -1,4 +1,4 @@
-"""Two-worker model-parallel training step (SPEC §8): aioautograd over ``grpc`` (two
+"""Two-worker model-parallel training step (spec §8): aioautograd over ``grpc`` (two
 processes on loopback, started by the launcher) and ``local`` (both workers in one process)
 vs ``torch.distributed.rpc`` + ``torch.distributed.autograd`` (two processes, TensorPipe
 with its default transports, and ``torch-uv``: with its TCP transport only).

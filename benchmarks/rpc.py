@@ -1,4 +1,4 @@
-"""RPC round-trip latency and throughput, ``local`` vs ``grpc`` backend (SPEC §6, issue #6).
+"""RPC round-trip latency and throughput, ``local`` vs ``grpc`` backend (spec §6, issue #6).
 
 Usage::
 

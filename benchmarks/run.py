@@ -1,4 +1,4 @@
-"""Run the SPEC §8 benchmarks side by side and print one JSON line per figure and a table.
+"""Run the spec §8 benchmarks side by side and print one JSON line per figure and a table.
 
 Usage::
 

@@ -1,4 +1,4 @@
-"""Benchmark workloads: one `Workload` per figure of SPEC §8, one `Impl` per implementation.
+"""Benchmark workloads: one `Workload` per figure of spec §8, one `Impl` per implementation.
 
 A workload is data: its sizes (``full``, ``quick``, ``tiny``), its repeat counts and the
 implementations that compute the same thing. Each implementation is a factory that builds a
@@ -768,7 +768,7 @@ class _AioMlpBlas(_AioMlpPolicy):
     policy = ag.engine.EnginePolicy(intra_op="blas")
 
 
-# SPEC §8's MLP 784-1024-1024-10, batch 256 (the smoke test's tiny one is 12-16-16-10).
+# spec §8's MLP 784-1024-1024-10, batch 256 (the smoke test's tiny one is 12-16-16-10).
 MLP_SIZES: dict[str, Params] = {
     "full": {"widths": [784, 1024, 1024, 10], "batch": 256},
     "quick": {"widths": [784, 1024, 1024, 10], "batch": 256},
@@ -861,7 +861,7 @@ def _no_torch_gpu() -> str | None:
     return None if torch.cuda.is_available() else "this torch build sees no GPU"
 
 
-# SPEC §8's GPU figure: the MLP step on CuPy against torch on CUDA (skipped without a GPU).
+# spec §8's GPU figure: the MLP step on CuPy against torch on CUDA (skipped without a GPU).
 _GPU_MLP_IMPLS = (
     Impl(SUBJECT, lambda p: _AioMlp(p, "cuda:0"), ("cupy",), unavailable=_no_cupy_gpu),
     Impl("torch", lambda p: _TorchMlp(p, "cuda"), ("torch",), unavailable=_no_torch_gpu),
@@ -914,5 +914,5 @@ register(
 
 
 # The concurrent-training, event-loop-stall and distributed figures (registered on import,
-# after the ones above so that the registry keeps SPEC §8's order).
+# after the ones above so that the registry keeps spec §8's order).
 from benchmarks import concurrency, distributed, gpu  # noqa: E402, F401

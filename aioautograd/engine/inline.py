@@ -7,7 +7,7 @@ run (the small MLP step: 352 µs inline, 643 µs on the executors). So ``GraphTa
 runs CPU nodes itself, on the event loop's thread, while they are cheap: nodes of built-in
 ops (``Node.inline``) without user hooks, whose gradients are small (the policy's
 ``inline_max_elements``), in a graph of at most ``inline_max_nodes`` nodes, within the
-policy's ``inline_budget_s`` (SPEC §3's latency budget; 0 keeps all tensor math off the
+policy's ``inline_budget_s`` (the loop's latency budget; 0 keeps all tensor math off the
 loop). The first node that does not qualify, or the budget running out, hands every task
 left to the executors, and the coroutine then awaits as usual. The loop is therefore never
 blocked for longer than the budget plus one small node, and a large backward runs on the
