@@ -116,12 +116,14 @@ async def train(steps: int, hidden: int, output: Path, progress: bool) -> dict[s
     # The same training one model at a time, in the default environment, both ways; the
     # speed-up is taken over the faster sequential schedule.
     sequential: dict[str, float] = {}
+    sequential_losses: dict[str, dict[str, float]] = {}
     for name, offload in (("offloaded steps", True), ("natural code", False)):
         sequential_runs = make_runs(hidden, seed=1)
         start = time.perf_counter()
         for run in sequential_runs:
             await train_one(run, x, y, steps, None, offload=offload)
         sequential[name] = time.perf_counter() - start
+        sequential_losses[name] = {run.name: run.losses[-1] for run in sequential_runs}
     best_name = min(sequential, key=sequential.__getitem__)
     best_s = sequential[best_name]
 
@@ -144,6 +146,9 @@ async def train(steps: int, hidden: int, output: Path, progress: bool) -> dict[s
     await asyncio.to_thread(_write_figures, runs, prof, output)
     return {
         "losses": {run.name: run.losses[-1] for run in runs},
+        "first_losses": {run.name: run.losses[0] for run in runs},
+        # Final losses of the same training one model at a time: equal to the concurrent ones.
+        "sequential_losses": sequential_losses,
         "accuracies": accuracies,
         "speedup": best_s / concurrent_s,
         "sequential_s": sequential,

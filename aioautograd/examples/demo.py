@@ -1,7 +1,9 @@
-"""The flagship demo: train an MLP on two interleaved spirals with ``await loss.backward()``
-while a heartbeat task shows that the event loop never stalls.
+"""A single-model example: train an MLP on two interleaved spirals with ``await
+loss.backward()`` while a heartbeat task shows that the event loop keeps serving.
 
-Run with ``make demo`` or ``python -m aioautograd.examples.demo [--steps N]``.
+Runs on a plain install (NumPy only; uvloop when installed):
+``python -m aioautograd.examples.demo [--steps N]``. The flagship example, ``make demo``, is
+:mod:`aioautograd.examples.concurrent_training`.
 """
 
 from __future__ import annotations

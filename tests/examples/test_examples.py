@@ -19,14 +19,34 @@ async def test_demo_training_reduces_loss() -> None:
     assert final_loss < 0.5
 
 
-async def test_concurrent_training_learns_and_writes_figures(tmp_path: Path) -> None:
+async def test_concurrent_training_learns_and_writes_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     pytest.importorskip("matplotlib")
     result = await concurrent_training.train(steps=40, hidden=64, output=tmp_path, progress=False)
-    assert set(result["losses"]) == {"adam", "adamw", "sgd-momentum", "sgd-nesterov"}
+    names = {"adam", "adamw", "sgd-momentum", "sgd-nesterov"}
+    assert set(result["losses"]) == names
+    # Every model learns...
     assert all(acc > 0.5 for acc in result["accuracies"].values())
-    assert (tmp_path / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
-    assert (tmp_path / "engine_timeline.png").read_bytes()[:4] == b"\x89PNG"
-    assert result["speedup"] > 0
+    for name in names:
+        assert result["losses"][name] < 0.7 * result["first_losses"][name]
+    # ...exactly as it does alone: training concurrently changes the schedule, not the
+    # numbers (both sequential schedules, offloaded and natural code).
+    for schedule in ("offloaded steps", "natural code"):
+        assert result["sequential_losses"][schedule] == result["losses"]
+    # The speed-up printed is the faster sequential schedule over the concurrent run (the
+    # figure itself depends on the machine's load: benchmarks/ measures it, not the tests).
+    best = min(result["sequential_s"].values())
+    assert result["speedup"] == pytest.approx(best / result["concurrent_s"])
+    out = capsys.readouterr().out
+    for name in names:
+        assert f"{name}: final loss {result['losses'][name]:.4f}" in out
+    assert f"x{result['speedup']:.2f}" in out
+    for figure in ("loss_curves.png", "engine_timeline.png"):
+        data = (tmp_path / figure).read_bytes()
+        assert data[:4] == b"\x89PNG"
+        assert len(data) > 10_000  # a drawn figure, not an empty canvas
+        assert f"wrote {tmp_path / 'loss_curves.png'}" in out
 
 
 def test_concurrent_runs_are_independent_of_scheduling() -> None:

@@ -20,7 +20,11 @@ def _env_int(value: int | None, variable: str, what: str) -> int:
         return value
     env = os.environ.get(variable)
     if env is None:
-        raise ValueError(f"{what} not given and {variable} is not set")
+        raise ValueError(
+            f"{what} not given and {variable} is not set: pass {what}=, or start the script "
+            "with the launcher, which sets it: python -m aioautograd.distributed.run --nproc N "
+            "script.py (or -m package.module)"
+        )
     return int(env)
 
 
