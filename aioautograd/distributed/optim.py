@@ -20,6 +20,7 @@ from aioautograd.distributed.autograd.dist_engine import INTERNAL_FUNCTIONS, con
 from aioautograd.distributed.rpc.registry import INTERNAL_PREFIX, default_name
 from aioautograd.distributed.rpc.rref import RRef
 from aioautograd.distributed.rpc.worker import WorkerInfo, current_agent
+from aioautograd.engine.unawaited import _pending, check_awaited
 from aioautograd.grad_mode import no_grad
 
 CREATE = f"{INTERNAL_PREFIX}dist_optim_create"
@@ -120,7 +121,11 @@ class DistributedOptimizer:
 
         Raises:
             RemoteError: an owner failed (e.g. it does not know the context).
+            RuntimeError: when this task called ``dist_autograd.backward()`` without
+                ``await``.
         """
+        if _pending.items:
+            check_awaited()
         agent = current_agent()
         await asyncio.gather(
             *(agent.call(rref.owner(), STEP, (rref, context_id)) for rref in self.remote_optimizers)

@@ -379,3 +379,31 @@ async def test_rref_of_own_value_passed_to_itself(world: World) -> None:
         await asyncio.wait_for(optimizer.step(context_id), 10)
     np.testing.assert_allclose(param.detach().numpy(), before - 0.5 * 2)
     await _assert_clean(world)
+
+
+async def test_forgotten_await_on_dist_backward_raises(world: World) -> None:
+    x, w1, w2 = _array(4, 3), _array(3, 2), _array(2, 1)
+    k1 = await _place("worker1", w1)
+    p0 = ag.tensor(w2.copy(), requires_grad=True)
+    rrefs = [await rpc.rpc_async("worker1", dist_fns.param_rref, args=(k1,))]
+    dist_opt = DistributedOptimizer(optim.SGD, rrefs, lr=0.05)
+    before = await rpc.rpc_async("worker1", dist_fns.param_value, args=(k1,))
+    async with dist_autograd.context() as context_id:
+        h = await rpc.rpc_async("worker1", dist_fns.linear, args=(k1, ag.tensor(x)))
+        loss = ((h @ p0) ** 2).mean()
+        dist_autograd.backward(context_id, [loss])  # the forgotten await
+        with pytest.raises(RuntimeError, match=r"dist_autograd\.backward.*without `await`"):
+            await dist_opt.step(context_id)
+        dist_autograd.backward(context_id, [loss], retain_graph=True)
+        with pytest.raises(RuntimeError, match="without `await`"):
+            dist_autograd.get_gradients(context_id)
+        # Nothing was applied; awaiting it works as usual.
+        np.testing.assert_array_equal(
+            await rpc.rpc_async("worker1", dist_fns.param_value, args=(k1,)), before
+        )
+        await dist_autograd.backward(context_id, [loss])
+        assert list(dist_autograd.get_gradients(context_id)) == [p0]
+        await dist_opt.step(context_id)
+    after = await rpc.rpc_async("worker1", dist_fns.param_value, args=(k1,))
+    assert not np.array_equal(after, before)
+    await _assert_clean(world)

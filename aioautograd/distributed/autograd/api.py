@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from aioautograd.distributed.autograd.context import _current_context
 from aioautograd.distributed.autograd.dist_engine import container_of, release_on
 from aioautograd.distributed.rpc.worker import current_agent
+from aioautograd.engine.unawaited import _pending, check_awaited
 from aioautograd.tensor import Tensor
 
 
@@ -43,8 +44,11 @@ def get_gradients(context_id: int) -> dict[Tensor, Tensor]:
     """The gradients accumulated on this worker in context ``context_id``: leaf → gradient.
 
     Raises:
-        RuntimeError: when the context does not exist here (released, or unknown).
+        RuntimeError: when the context does not exist here (released, or unknown), or
+            when this task called ``backward()`` without ``await``.
     """
+    if _pending.items:
+        check_awaited()
     return container_of().get(context_id).gradients()
 
 

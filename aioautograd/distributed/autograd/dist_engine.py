@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from aioautograd.autograd.node import Edge
@@ -35,6 +35,7 @@ from aioautograd.distributed.rpc.registry import INTERNAL_PREFIX
 from aioautograd.distributed.rpc.worker import WorkerInfo, current_agent
 from aioautograd.engine.api import _make_grads, _root_edges
 from aioautograd.engine.engine import Engine
+from aioautograd.engine.unawaited import track
 from aioautograd.tensor import Tensor
 
 logger = logging.getLogger("aioautograd.distributed.autograd")
@@ -135,8 +136,13 @@ async def run_pass(
         context.touch()
 
 
-async def backward(context_id: int, roots: Sequence[Tensor], retain_graph: bool = False) -> None:
+def backward(
+    context_id: int, roots: Sequence[Tensor], retain_graph: bool = False
+) -> Coroutine[Any, Any, None]:
     """Run the distributed backward pass of context ``context_id`` from scalar ``roots``.
+
+    Returns a coroutine to ``await``; :func:`get_gradients` after calling it without
+    ``await`` raises an error that says so.
 
     Gradients accumulate into the context on every worker that holds leaves
     (:func:`get_gradients`), never into ``.grad``. Returns when the passes on every worker
@@ -150,6 +156,13 @@ async def backward(context_id: int, roots: Sequence[Tensor], retain_graph: bool 
         RemoteError: a pass failed on another worker (its name and message included).
         RpcTimeoutError, WorkerUnavailableError: a worker did not answer in time or died.
     """
+    return track(
+        _backward(context_id, roots, retain_graph),
+        "dist_autograd.backward(context_id, roots)",
+    )
+
+
+async def _backward(context_id: int, roots: Sequence[Tensor], retain_graph: bool) -> None:
     container = container_of()
     context = container.get(context_id)
     outputs = tuple(roots) if isinstance(roots, (list, tuple)) else (roots,)
