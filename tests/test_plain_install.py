@@ -7,8 +7,10 @@ subprocess where the optional packages cannot be imported (``sys.modules[name] =
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -95,3 +97,33 @@ def test_package_metadata_builds_without_warnings(tmp_path: Path) -> None:
     assert sorted(name.split(">")[0] for name in core) == ["numpy", "threadpoolctl"]
     for extra in ("[distributed]", "[uvloop]", "[test]", "[dev]", "[notebook]"):
         assert extra in requires
+
+
+def test_editable_install_builds_without_warnings(tmp_path: Path) -> None:
+    # `make test` and `make demo` install the checkout in editable mode; pip shows the build
+    # backend's warnings. Built from a copy, so that nothing is written into the checkout.
+    pytest.importorskip("setuptools")
+    project = tmp_path / "project"
+    shutil.copytree(ROOT / "aioautograd", project / "aioautograd", ignore=_ignored)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, project / name)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    code = "import sys; from setuptools import build_meta; build_meta.build_editable(sys.argv[1])"
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code, str(wheels)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=project,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "warning" not in result.stderr.lower()
+    (wheel,) = wheels.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        (pth,) = [name for name in archive.namelist() if name.endswith(".pth")]
+        assert archive.read(pth).decode().strip() == str(project.resolve())
+
+
+def _ignored(directory: str, names: list[str]) -> list[str]:
+    return [name for name in names if name == "__pycache__"]
