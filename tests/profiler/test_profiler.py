@@ -85,3 +85,8 @@ async def test_record_function_labels_follow_each_models_passes(tmp_path: Path) 
     assert sorted(text.get_text() for text in legend.get_texts()) == ["adam", "sgd"]
     assert len(figure.axes) == 2
     assert figure.axes[1].get_xlim() == (0.0, 1.0)
+    # Every node is one bar in each panel, in its label's colour (one collection per lane
+    # and label, not one per node: thousands of nodes stay fast to draw).
+    for axes in figure.axes:
+        assert sum(len(c.get_paths()) for c in axes.collections) == len(prof.events)
+        assert len(axes.collections) <= 2 * len({e.thread for e in prof.events})
