@@ -71,6 +71,7 @@ from aioautograd.distributed.rpc.errors import (
     RpcTimeoutError,
     WorkerUnavailableError,
 )
+from aioautograd.distributed.rpc.futures import RpcFuture
 from aioautograd.distributed.rpc.interceptors import (
     MessageInfo,
     RpcInterceptor,
@@ -98,6 +99,7 @@ __all__ = [
     "RpcAuthenticationError",
     "RpcBackendOptions",
     "RpcError",
+    "RpcFuture",
     "RpcInterceptor",
     "RpcTimeoutError",
     "TLSConfig",

@@ -89,6 +89,10 @@ class RpcInterceptor:
     async def on_shutdown(self) -> None:
         """Called by a graceful shutdown before the final barrier (RPCs still work)."""
 
+    def on_stop(self) -> None:
+        """Called when the agent stops: after the shutdown barrier (every peer is done with
+        this worker), or at once for ``shutdown(graceful=False)``. RPCs no longer work."""
+
 
 _interceptor_factories: dict[str, Callable[[RpcAgent], RpcInterceptor]] = {}
 
