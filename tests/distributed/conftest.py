@@ -146,7 +146,7 @@ async def _local_worker(
         name, rank, world_size, "local", options=options, allowed_functions=remote_fns.ALLOWED
     )
     if hold_shutdown:
-        await semantic_fns.shutdown_gate(name).wait()
+        await semantic_fns.wait_for_shutdown_gate(name)
     await rpc.shutdown()
 
 

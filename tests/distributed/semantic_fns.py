@@ -29,6 +29,21 @@ def shutdown_gate(name: str) -> asyncio.Event:
     return _gates.setdefault(name, asyncio.Event())
 
 
+async def wait_for_shutdown_gate(name: str) -> None:
+    """Wait until the gate of worker ``name`` is opened, then forget it (a later world may
+    reuse the name)."""
+    await shutdown_gate(name).wait()
+    _gates.pop(name, None)
+
+
+def open_gates(names: list[str]) -> None:
+    """Open the gates of local workers (a test's clean-up: let held workers shut down)."""
+    for name in names:
+        gate = _gates.get(name)
+        if gate is not None:
+            gate.set()
+
+
 @rpc.register
 async def open_shutdown_gate() -> None:
     shutdown_gate(_me()).set()

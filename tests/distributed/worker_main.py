@@ -28,7 +28,7 @@ async def main() -> None:
         allowed_functions=remote_fns.ALLOWED,
     )
     if os.environ.get("TEST_HOLD_SHUTDOWN"):
-        await semantic_fns.shutdown_gate(os.environ["TEST_WORKER_NAME"]).wait()
+        await semantic_fns.wait_for_shutdown_gate(os.environ["TEST_WORKER_NAME"])
     await rpc.shutdown()
 
 
