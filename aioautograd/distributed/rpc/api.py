@@ -163,8 +163,10 @@ def remote(
 ) -> RRef[Any]:
     """Run ``fn`` on ``to`` and return at once an :class:`RRef` to the result it keeps.
 
-    The call proceeds in the background (a graceful ``shutdown`` waits for it); an error it
-    raises surfaces from ``rref.to_here()``. Must be called on the agent's event loop.
+    The call is encoded now (as with :func:`rpc_async`) and proceeds in the background (a
+    graceful ``shutdown`` waits for it); an error it raises surfaces from
+    ``rref.to_here()``. Messages carrying the RRef may reach the owner before the creation
+    does: the owner waits for the value. Must be called on the agent's event loop.
     """
     return current_agent().remote(to, fn, args, kwargs, timeout)
 

@@ -60,6 +60,8 @@ class RRef(Generic[T]):
         rref = rpc.remote("worker1", make_model)        # returns at once
         weights = await rref.to_here()                   # a copy of the value
         assert rref.owner().name == "worker1"
+        out = await rref.rpc_async().forward(x)          # a method run on the owner
+        await loss_rref.backward(context_id)             # distributed backward from it
     """
 
     __slots__ = ("__weakref__", "_agent", "_creation", "_owner", "_rref_id", "_state")
