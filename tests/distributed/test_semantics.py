@@ -510,3 +510,48 @@ async def test_a_worker_that_leaves_right_after_init_is_dead_not_unknown() -> No
         await asyncio.sleep(0.02)
     results = await asyncio.wait_for(asyncio.gather(*members, leaver), 20)
     assert results == ["second", "first", None]
+
+
+async def test_pending_rrefs_of_a_dead_creator_fail_instead_of_waiting() -> None:
+    group = f"test-{uuid.uuid4().hex}"
+    options = rpc.LocalOptions(group=group, init_timeout=10, shutdown_timeout=10)
+    loop = asyncio.get_running_loop()
+    owner_ready: asyncio.Future[rpc.RpcAgent] = loop.create_future()
+    creator_done = asyncio.Event()
+
+    async def owner() -> None:
+        owner_ready.set_result(await rpc.init_rpc("owner", 0, 2, "local", options=options))
+        await creator_done.wait()
+        await rpc.shutdown()
+
+    async def creator() -> tuple[Any, BaseException | None]:
+        agent = await rpc.init_rpc("creator", 1, 2, "local", options=options)
+        send = agent._send_request
+
+        async def never_deliver_creations(dst: Any, message: Any, limit: Any) -> Any:
+            if wire.decode_header(message).rref is not None:
+                await asyncio.sleep(3600)  # the creation is lost with its creator
+            return await send(dst, message, limit)
+
+        agent._send_request = never_deliver_creations  # type: ignore[method-assign]
+        rref = rpc.remote("owner", sem.slow_value, args=(0.0, "never"))
+        # The fork to the owner arrives first and leaves a pending record there.
+        call = rpc.rpc_async("owner", remote_fns.rref_local_value, args=(rref,))
+        owner_agent = await owner_ready
+        await _eventually(lambda: _has_record(owner_agent, rref._rref_id))
+        record = owner_agent.rrefs.owned[rref._rref_id]
+        assert not record.future.done()
+        await rpc.shutdown(graceful=False)  # the creator dies: the owner marks it dead
+        creator_done.set()
+        call.cancel()
+        return record.future.done(), record.future.exception()
+
+    tasks = [loop.create_task(fn(), context=contextvars.Context()) for fn in (owner, creator)]
+    _, (done, error) = await asyncio.wait_for(asyncio.gather(*tasks), 20)
+    assert done
+    assert isinstance(error, rpc.WorkerUnavailableError)
+    assert "its creator 'creator' is dead" in str(error)
+
+
+async def _has_record(agent: rpc.RpcAgent, rref_id: Any) -> bool:
+    return rref_id in agent.rrefs.owned

@@ -182,6 +182,9 @@ class RpcAgent(ABC):
         logger.log(level, "RPC worker %r marks worker %r dead: %s", self.info.name, name, reason)
         for task in self._inflight.get(name, ()):
             task.cancel()
+        worker = self._workers.get(name)
+        if worker is not None:
+            self.rrefs.creator_lost(worker, reason)
         self._barrier_changed.set()
 
     async def shutdown(self, graceful: bool = True) -> None:
@@ -532,6 +535,7 @@ class RpcAgent(ABC):
         if header.rref is not None:
             # Known before decoding: a failure below must reach the RRef, never leave it pending.
             state = self.rrefs.owner_state(header.rref)
+            state.created = True
         try:
             internal = self._internal.get(header.function)
             fn = internal or self._policy.resolve(header.function, self.info.name)

@@ -21,7 +21,12 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from aioautograd._asyncio import running_loop
 from aioautograd.distributed.rpc import wire
-from aioautograd.distributed.rpc.errors import MalformedMessageError, RpcError, RpcTimeoutError
+from aioautograd.distributed.rpc.errors import (
+    MalformedMessageError,
+    RpcError,
+    RpcTimeoutError,
+    WorkerUnavailableError,
+)
 from aioautograd.distributed.rpc.registry import INTERNAL_PREFIX
 from aioautograd.distributed.rpc.worker import WorkerInfo, current_agent
 
@@ -35,16 +40,18 @@ RRefId: TypeAlias = "tuple[int, int]"  # (creator's worker id, creator's counter
 
 
 class _OwnerState:
-    """The owner's record of one value: its future, the count of remote users, and how many
+    """The owner's record of one value: its future, the count of remote users, how many
     messages carrying it to the owner itself are on their way (``owned`` must keep it until
-    they are decoded)."""
+    they are decoded), and whether its ``remote()`` creation has arrived (a record made by a
+    message that overtook the creation has not)."""
 
-    __slots__ = ("future", "in_transit", "users")
+    __slots__ = ("created", "future", "in_transit", "users")
 
     def __init__(self, future: asyncio.Future[Any]) -> None:
         self.future = future
         self.users = 0
         self.in_transit = 0
+        self.created = future.done()
 
 
 class RRef(Generic[T]):
@@ -316,6 +323,19 @@ class RRefContext:
             state = self.owned[rref_id] = _OwnerState(self.agent.loop.create_future())
             state.future.add_done_callback(_retrieve)
         return state
+
+    def creator_lost(self, creator: WorkerInfo, reason: str) -> None:
+        """Fail the pending records of RRefs that ``creator`` (now dead) made with
+        ``remote()`` whose creation never arrived: whoever waits for them stops waiting."""
+        for rref_id, state in list(self.owned.items()):
+            if rref_id[0] == creator.id and not state.created and not state.future.done():
+                state.future.set_exception(
+                    WorkerUnavailableError(
+                        f"the value of RRef {rref_id} will never exist on worker "
+                        f"{self.agent.info.name!r}: its creator {creator.name!r} is dead "
+                        f"({reason}) and its remote() call never arrived"
+                    )
+                )
 
     def from_wire(
         self, fields: list[Any], pending: list[asyncio.Future[Any]] | None = None
