@@ -388,6 +388,14 @@ async def test_function_backward_on_executor_threads_sees_its_worker(
         assert record["passes"] == 1
         assert record["driver_says"] == "driver"
         assert record["thread"].startswith("aioautograd-cpu")  # an executor thread
+    # a plain local backward of this worker's task: the same identity, no context
+    await (sem.Probe.apply(x) * 2.0).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), [2.0] * 3)
+    [local] = sem.local_probe_records("driver")
+    assert local["worker"] == local["driver_says"] == "driver"
+    assert local["context_id"] is None
+    assert local["passes"] == 0
+    assert local["thread"].startswith("aioautograd-cpu")
     await _assert_clean(world)
 
 
