@@ -12,7 +12,7 @@ optimizers or a class registered with :func:`register_optimizer` on every worker
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 from aioautograd import optim as local_optim
@@ -93,7 +93,17 @@ class DistributedOptimizer:
             optimizer over its parameters.
         **kwargs: The optimizer's hyperparameters (numbers, strings, lists).
 
-    Must be created on the RPC agent's event loop.
+    Must be created on the RPC agent's event loop. Creation starts the owners' optimizers;
+    ``await`` the object to wait for them (PyTorch's constructor does): a creation error
+    (an unknown optimizer class, bad hyperparameters, a parameter that is not a leaf)
+    is raised there, or else by the first :meth:`step`.
+
+    Example::
+
+        opt = await DistributedOptimizer(optim.SGD, param_rrefs, lr=0.05)
+        async with dist_autograd.context() as context_id:
+            ...
+            await opt.step(context_id)
     """
 
     def __init__(
@@ -116,16 +126,31 @@ class DistributedOptimizer:
             agent.remote(owner, CREATE, (name, rrefs, kwargs)) for owner, rrefs in by_owner.items()
         ]
 
+    def __await__(self) -> Generator[Any, None, DistributedOptimizer]:
+        return self.wait().__await__()
+
+    async def wait(self) -> DistributedOptimizer:
+        """Wait until every owner has created its optimizer; returns ``self``.
+
+        Raises:
+            RemoteError: an owner failed to create its optimizer (its name and message).
+        """
+        creations = [rref._creation for rref in self.remote_optimizers]
+        await asyncio.gather(*(task for task in creations if task is not None))
+        return self
+
     async def step(self, context_id: int) -> None:
         """Step every owner's optimizer concurrently with context ``context_id``'s gradients.
 
         Raises:
-            RemoteError: an owner failed (e.g. it does not know the context).
+            RemoteError: an owner failed to create its optimizer, or to step (e.g. it does
+                not know the context).
             RuntimeError: when this task called ``dist_autograd.backward()`` without
                 ``await``.
         """
         if _pending.items:
             check_awaited()
+        await self.wait()
         agent = current_agent()
         await asyncio.gather(
             *(agent.call(rref.owner(), STEP, (rref, context_id)) for rref in self.remote_optimizers)

@@ -402,6 +402,13 @@ class GraphTask:
         if self._done_future is None and self.loop is not None:
             self._done_future = self.loop.create_future()
 
+    @property
+    def caller_context(self) -> contextvars.Context | None:
+        """A copy of the context of the task that started this pass (``None`` until it
+        starts): layers above the engine read their ``ContextVar`` s there from nodes that
+        run on executor threads (e.g. the RPC worker of a ``Function.backward``)."""
+        return self._async_context
+
     def _prepare_async_context(self) -> contextvars.Context:
         context = contextvars.copy_context()
         context.run(enter_graph_task, self)

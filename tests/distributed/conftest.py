@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from aioautograd.distributed import rpc
 from aioautograd.distributed.rpc import wire
 from aioautograd.distributed.rpc.backends import local as local_backend
-from tests.distributed import remote_fns
+from tests.distributed import remote_fns, semantic_fns
 
 REPO = Path(__file__).resolve().parents[2]
 BACKENDS = ["local", "grpc"]
@@ -139,10 +139,14 @@ def _describe(response: wire.Message) -> str:
     return "OK"
 
 
-async def _local_worker(name: str, rank: int, world_size: int, options: rpc.LocalOptions) -> None:
+async def _local_worker(
+    name: str, rank: int, world_size: int, options: rpc.LocalOptions, hold_shutdown: bool
+) -> None:
     await rpc.init_rpc(
         name, rank, world_size, "local", options=options, allowed_functions=remote_fns.ALLOWED
     )
+    if hold_shutdown:
+        await semantic_fns.wait_for_shutdown_gate(name)
     await rpc.shutdown()
 
 
@@ -154,8 +158,13 @@ async def start_world(
     tls: dict[str, Any] | None = None,
     heartbeat: tuple[float, float] = HEARTBEAT,
     rpc_timeout: float = 30.0,
+    hold_shutdown: bool = False,
 ) -> World:
-    """Start a world of a driver (this task) and ``n_workers`` workers."""
+    """Start a world of a driver (this task) and ``n_workers`` workers.
+
+    With ``hold_shutdown``, each worker calls ``shutdown`` only once the driver calls
+    ``semantic_fns.open_shutdown_gate`` on it (by default, at once after ``init_rpc``).
+    """
     world_size = n_workers + 1
     names = [f"worker{rank}" for rank in range(1, world_size)]
     if backend == "local":
@@ -165,7 +174,8 @@ async def start_world(
         )
         tasks = [
             asyncio.get_running_loop().create_task(
-                _local_worker(name, rank, world_size, options), context=contextvars.Context()
+                _local_worker(name, rank, world_size, options, hold_shutdown),
+                context=contextvars.Context(),
             )
             for rank, name in enumerate(names, start=1)
         ]
@@ -185,6 +195,7 @@ async def start_world(
             AIOAUTOGRAD_RPC_TOKEN=token,
             TEST_WORKER_NAME=name,
             TEST_HEARTBEAT=",".join(map(str, heartbeat)),
+            TEST_HOLD_SHUTDOWN="1" if hold_shutdown else "",
         )
         for key in list(env):
             if key.startswith("AIOAUTOGRAD_TLS_"):

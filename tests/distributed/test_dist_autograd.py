@@ -145,10 +145,18 @@ async def test_concurrent_contexts_keep_their_gradients_apart(world: World) -> N
 
 
 async def test_context_ids_are_unique_across_workers(world: World) -> None:
-    async with dist_autograd.context() as a, dist_autograd.context() as b:
-        assert a != b
-        assert a >> 48 == 0  # the driver's rank
-        assert dist_autograd.current_context_id() == b
+    async def in_child_task() -> int | None:
+        async with dist_autograd.context() as inner:  # a task of its own may open one
+            assert dist_autograd.current_context_id() == inner
+            return inner
+
+    async with dist_autograd.context() as a:
+        b = await asyncio.create_task(in_child_task())
+        assert dist_autograd.current_context_id() == a
+    async with dist_autograd.context() as c:
+        pass
+    assert len({a, b, c}) == 3
+    assert a >> 48 == b >> 48 == c >> 48 == 0  # the driver's rank
     assert dist_autograd.current_context_id() is None
 
 

@@ -2,7 +2,8 @@
 
 Reads RANK, WORLD_SIZE, MASTER_ADDR/PORT, AIOAUTOGRAD_RPC_TOKEN and the AIOAUTOGRAD_TLS_*
 variables like any launched script, plus TEST_WORKER_NAME and TEST_HEARTBEAT
-("interval,timeout"); serves until the world shuts down.
+("interval,timeout"), and TEST_HOLD_SHUTDOWN (non-empty: shut down only once the driver
+opens ``semantic_fns.open_shutdown_gate``); serves until the world shuts down.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import asyncio
 import os
 
 from aioautograd.distributed import rpc
-from tests.distributed import dist_fns, remote_fns  # noqa: F401 (registers)
+from tests.distributed import dist_fns, remote_fns, semantic_fns  # noqa: F401 (registers)
 
 
 async def main() -> None:
@@ -26,6 +27,8 @@ async def main() -> None:
         options=options,
         allowed_functions=remote_fns.ALLOWED,
     )
+    if os.environ.get("TEST_HOLD_SHUTDOWN"):
+        await semantic_fns.wait_for_shutdown_gate(os.environ["TEST_WORKER_NAME"])
     await rpc.shutdown()
 
 

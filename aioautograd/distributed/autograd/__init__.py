@@ -20,6 +20,10 @@ as :class:`~aioautograd.distributed.rpc.RemoteError` with the worker's name; lea
 context releases it on every worker involved; contexts whose creator vanished expire
 (:func:`set_context_ttl`).
 
+Debugging (PyTorch's private helpers, public here): :func:`retrieve_context`,
+:func:`current_context` (the :class:`DistAutogradContext` with its send and recv functions
+and known workers), :func:`max_context_id` and :func:`get_debug_info`.
+
 Differences from PyTorch: ``retain_graph=False`` frees the saved tensors when the context
 is released rather than at once, so a second ``backward`` in the same context still works
 (and accumulates); ``create_graph`` is not supported.
@@ -30,14 +34,22 @@ from __future__ import annotations
 from aioautograd.distributed.autograd.api import (
     _get_debug_info,
     context,
+    current_context,
     current_context_id,
     get_debug_info,
     get_gradients,
+    max_context_id,
+    retrieve_context,
     set_context_ttl,
 )
 from aioautograd.distributed.autograd.context import DistAutogradContainer, DistAutogradContext
 from aioautograd.distributed.autograd.dist_engine import DistAutogradInterceptor, backward
 from aioautograd.distributed.autograd.send_recv import RecvRpcBackward, SendRpcBackward
+
+# PyTorch's private debugging names.
+_retrieve_context = retrieve_context
+_current_context = current_context
+_get_max_id = max_context_id
 
 __all__ = [
     "DistAutogradContainer",
@@ -45,11 +57,17 @@ __all__ = [
     "DistAutogradInterceptor",
     "RecvRpcBackward",
     "SendRpcBackward",
+    "_current_context",
     "_get_debug_info",
+    "_get_max_id",
+    "_retrieve_context",
     "backward",
     "context",
+    "current_context",
     "current_context_id",
     "get_debug_info",
     "get_gradients",
+    "max_context_id",
+    "retrieve_context",
     "set_context_ttl",
 ]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from aioautograd.autograd.node import Node
 
 if TYPE_CHECKING:
-    from aioautograd.distributed.autograd.send_recv import SendRpcBackward
+    from aioautograd.distributed.autograd.send_recv import RecvRpcBackward, SendRpcBackward
     from aioautograd.distributed.rpc.agent import RpcAgent
     from aioautograd.tensor import Tensor
 
@@ -29,17 +29,34 @@ _current_context: contextvars.ContextVar[DistAutogradContext | None] = contextva
     "aioautograd_dist_autograd_context", default=None
 )
 
+# The task that entered that context (``context()``, or the task that serves a request in it):
+# a second ``context()`` in that same task is a nested context, which PyTorch refuses.
+_context_task: contextvars.ContextVar[object | None] = contextvars.ContextVar(
+    "aioautograd_dist_autograd_context_task", default=None
+)
+
+_ID_BITS = 48  # context and message ids: (worker id << 48) | a per-worker counter
+MAX_COUNTER = (1 << _ID_BITS) - 1
+
 DEFAULT_CONTEXT_TTL = 1800.0  # seconds an orphaned (never released) context survives
 
 
 class DistAutogradContext:
-    """The state of one distributed autograd context on one worker (thread-safe)."""
+    """The state of one distributed autograd context on one worker (thread-safe).
+
+    For debugging (PyTorch's ``_send_functions()``, ``_recv_functions()`` and
+    ``_known_worker_ids()``): ``send_functions`` and ``recv_functions`` map autograd message
+    ids (unique across workers) to the ``SendRpcBackward`` / ``RecvRpcBackward`` nodes this
+    worker recorded in the context, ``known_workers`` names the workers it exchanged
+    tensors with. Read them with ``lock`` held, or through :meth:`snapshot`.
+    """
 
     def __init__(self, context_id: int, agent: RpcAgent) -> None:
         self.context_id = context_id
         self.agent = agent
         self.known_workers: set[str] = set()
         self.send_functions: dict[int, SendRpcBackward] = {}
+        self.recv_functions: dict[int, RecvRpcBackward] = {}
         self.roots: list[Node] = []
         self.release_graph = False  # a backward without retain_graph ran in this context
         self.lock = threading.Lock()
@@ -62,6 +79,23 @@ class DistAutogradContext:
     def add_send_function(self, node: SendRpcBackward, message_id: int) -> None:
         with self.lock:
             self.send_functions[message_id] = node
+
+    def add_recv_function(self, node: RecvRpcBackward, message_id: int) -> None:
+        with self.lock:
+            self.recv_functions[message_id] = node
+
+    def snapshot(self) -> dict[str, object]:
+        """A copy of the introspection fields: ``context_id``, ``worker``,
+        ``send_functions``, ``recv_functions``, ``known_workers`` and ``active_passes``."""
+        with self.lock:
+            return {
+                "context_id": self.context_id,
+                "worker": self.agent.info.name,
+                "send_functions": dict(self.send_functions),
+                "recv_functions": dict(self.recv_functions),
+                "known_workers": sorted(self.known_workers),
+                "active_passes": self.active_passes,
+            }
 
     def send_function(self, message_id: int) -> SendRpcBackward:
         with self.lock:
@@ -94,6 +128,7 @@ class DistAutogradContext:
             nodes: list[Node] = [*self.send_functions.values(), *self.roots]
             release = self.release_graph
             self.send_functions.clear()
+            self.recv_functions.clear()
             self.roots.clear()
             self._grads.clear()
         if release:
@@ -124,7 +159,29 @@ class DistAutogradContainer:
         self._lock = threading.Lock()
         self._context_ids = itertools.count(1)
         self._message_ids = itertools.count(1)
-        self.num_current_backward_passes = 0
+        self._id_base = agent.info.id << _ID_BITS
+
+    @property
+    def num_current_backward_passes(self) -> int:
+        """Contexts with a backward pass running on this worker (PyTorch counts contexts:
+        the nested local passes of one distributed backward count once)."""
+        with self._lock:
+            return sum(1 for context in self._contexts.values() if context.active_passes)
+
+    @property
+    def max_id(self) -> int:
+        """The largest context (and message) id this worker can issue (PyTorch's
+        ``_get_max_id()``)."""
+        return self._id_base + MAX_COUNTER
+
+    def _next_id(self, counter: itertools.count[int], what: str) -> int:
+        value = next(counter)
+        if value > MAX_COUNTER:
+            raise RuntimeError(
+                f"worker {self.worker_name!r} ran out of distributed autograd {what} ids "
+                f"(2**{_ID_BITS} per worker): restart the worker"
+            )
+        return self._id_base | value
 
     @property
     def worker_name(self) -> str:
@@ -132,7 +189,7 @@ class DistAutogradContainer:
 
     def new_context(self) -> DistAutogradContext:
         """A context with an id unique across workers: ``(worker id << 48) | counter``."""
-        context_id = (self.agent.info.id << 48) | next(self._context_ids)
+        context_id = self._next_id(self._context_ids, "context")
         context = DistAutogradContext(context_id, self.agent)
         with self._lock:
             self._expire()
@@ -166,7 +223,12 @@ class DistAutogradContainer:
             return self._contexts.pop(context_id, None)
 
     def next_message_id(self) -> int:
-        return next(self._message_ids)
+        """An autograd message id unique across workers (recv functions are keyed by it)."""
+        return self._next_id(self._message_ids, "message")
+
+    def contexts(self) -> list[DistAutogradContext]:
+        with self._lock:
+            return list(self._contexts.values())
 
     def num_contexts(self) -> int:
         with self._lock:

@@ -22,6 +22,7 @@ from aioautograd.autograd.node import Edge
 from aioautograd.distributed.autograd.context import (
     DistAutogradContainer,
     DistAutogradContext,
+    _context_task,
     _current_context,
 )
 from aioautograd.distributed.autograd.send_recv import RecvRpcBackward, SendRpcBackward
@@ -32,7 +33,8 @@ from aioautograd.distributed.rpc.interceptors import (
     register_interceptor_factory,
 )
 from aioautograd.distributed.rpc.registry import INTERNAL_PREFIX
-from aioautograd.distributed.rpc.worker import WorkerInfo, current_agent
+from aioautograd.distributed.rpc.rref import FETCH, METHOD, RREF_BACKWARD, RRef, _checked_root
+from aioautograd.distributed.rpc.worker import WorkerInfo, current_agent, from_backward
 from aioautograd.engine.api import _make_grads, _root_edges
 from aioautograd.engine.engine import Engine
 from aioautograd.engine.unawaited import track
@@ -48,6 +50,18 @@ RELEASE = f"{INTERNAL_PREFIX}dist_autograd_release"
 # distributed optimizer); each receives the calling worker's WorkerInfo first.
 INTERNAL_FUNCTIONS: dict[str, Any] = {}
 
+# Internal functions whose requests carry the caller's context like user calls: the callee
+# runs in it, so an RRef's value fetched (``to_here``) or a method run through an RRef proxy
+# inside a context is recorded for backward.
+CONTEXT_FUNCTIONS = frozenset({FETCH, METHOD})
+
+
+def task_context() -> DistAutogradContext | None:
+    """The context of the running task, or of the task whose backward pass runs here (a
+    node on an executor thread)."""
+    context = _current_context.get()
+    return context if context is not None else from_backward(_current_context)
+
 
 class DistAutogradInterceptor(RpcInterceptor):
     """Records send/recv functions for the messages of one worker (see the module doc)."""
@@ -57,7 +71,7 @@ class DistAutogradInterceptor(RpcInterceptor):
         self.container = DistAutogradContainer(agent)
 
     def _context(self) -> DistAutogradContext | None:
-        context = _current_context.get()
+        context = task_context()
         if context is None or context.agent is not self.agent or context.released:
             return None
         return context
@@ -71,7 +85,9 @@ class DistAutogradInterceptor(RpcInterceptor):
         if not needing:
             # A user request still carries the context, so that the callee records its
             # response (parameters on the callee make it require grad).
-            user_request = info.kind == "request" and not info.function.startswith(INTERNAL_PREFIX)
+            user_request = info.kind == "request" and (
+                not info.function.startswith(INTERNAL_PREFIX) or info.function in CONTEXT_FUNCTIONS
+            )
             return [context.context_id, None] if user_request else None
         message_id = self.container.next_message_id()
         context.add_send_function(SendRpcBackward(needing), message_id)
@@ -85,11 +101,16 @@ class DistAutogradInterceptor(RpcInterceptor):
         context.add_known_worker(info.src.name)
         if info.kind == "request":  # the remote function runs in this context
             _current_context.set(context)
+            _context_task.set(asyncio.current_task())
         if message_id is None:
             return tensors
-        return RecvRpcBackward(self.agent, context_id, message_id, info.src).wrap(tensors)
+        recv = RecvRpcBackward(self.agent, context_id, message_id, info.src)
+        context.add_recv_function(recv, message_id)
+        return recv.wrap(tensors)
 
-    async def on_shutdown(self) -> None:
+    def on_stop(self) -> None:
+        # After the shutdown barrier: peers may run backward passes through this worker's
+        # contexts until every worker has reached shutdown.
         self.container.clear()
 
 
@@ -124,13 +145,14 @@ async def run_pass(
     """One local pass of a distributed backward: leaves accumulate into ``context``."""
     with context.lock:
         context.active_passes += 1
-    container.num_current_backward_passes += 1
+    # Nodes (a Function.backward on an executor thread) see the context and the worker.
+    token = _current_context.set(context)
     try:
         await Engine.get_default_engine().execute(
             roots, grads, True, False, True, leaf_hook=context.accumulate
         )
     finally:
-        container.num_current_backward_passes -= 1
+        _current_context.reset(token)
         with context.lock:
             context.active_passes -= 1
         context.touch()
@@ -152,7 +174,8 @@ def backward(
     may still be traversed.
 
     Raises:
-        RuntimeError: unknown context, non-scalar or non-differentiable roots.
+        RuntimeError: unknown context; no roots; a root that does not require grad, is not
+            a scalar, or has no gradient function (a leaf), as in PyTorch.
         RemoteError: a pass failed on another worker (its name and message included).
         RpcTimeoutError, WorkerUnavailableError: a worker did not answer in time or died.
     """
@@ -167,7 +190,22 @@ async def _backward(context_id: int, roots: Sequence[Tensor], retain_graph: bool
     context = container.get(context_id)
     outputs = tuple(roots) if isinstance(roots, (list, tuple)) else (roots,)
     if not outputs:
-        raise RuntimeError("backward needs at least one root tensor")
+        raise RuntimeError("No tensors provided for gradient computation: pass the loss(es)")
+    for i, root in enumerate(outputs):
+        if not isinstance(root, Tensor):
+            raise TypeError(f"backward roots are tensors, root {i} is {type(root).__name__}")
+        if not root.requires_grad:
+            raise RuntimeError(f"requires_grad not set on root {i}: it has no graph to go through")
+        if root.numel() != 1:
+            raise RuntimeError(
+                f"root {i} of shape {tuple(root.shape)} is not a scalar, all roots need to be "
+                "scalar (reduce it, e.g. `.sum()`)"
+            )
+        if root.grad_fn is None:
+            raise RuntimeError(
+                f"root {i} does not have a valid gradient function: it is a leaf (backward "
+                "starts from a tensor computed from the leaves)"
+            )
     edges = _root_edges(outputs)
     grads = _make_grads(outputs, (None,) * len(outputs))
     with context.lock:
@@ -224,5 +262,15 @@ async def _release_handler(src: WorkerInfo, context_id: int) -> None:
     await release_on(agent, context, src.name)
 
 
+async def _rref_backward_handler(
+    src: WorkerInfo, rref: RRef[Any], context_id: int, retain_graph: bool
+) -> None:
+    # RRef.backward(context_id) from any worker: a distributed backward from the value.
+    if not isinstance(rref, RRef) or not rref.is_owner():
+        raise RuntimeError("RRef.backward reached a worker that does not own the RRef")
+    await backward(context_id, [_checked_root(rref.local_value())], retain_graph)
+
+
 INTERNAL_FUNCTIONS[BACKWARD] = _backward_handler
+INTERNAL_FUNCTIONS[RREF_BACKWARD] = _rref_backward_handler
 INTERNAL_FUNCTIONS[RELEASE] = _release_handler

@@ -12,9 +12,18 @@ PyTorch's ``torch.distributed.rpc`` API, as coroutines::
         await rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
         if rank == 0:
             z = await rpc.rpc_async("worker1", add, args=(ag.ones(3), ag.ones(3)))
+            fut = rpc.rpc_async("worker1", add, args=(1, 2))  # sent now: an RpcFuture
             rref = rpc.remote("worker1", add, args=(1, 2))   # an RRef, at once
-            assert await rref.to_here() == 3
-        await rpc.shutdown()           # waits for every worker's outstanding work
+            assert await rref.to_here() == await fut == 3
+        await rpc.shutdown()           # serves peers until every worker reached it
+
+As in PyTorch, ``rpc_async`` sends at the call and returns a future (:class:`RpcFuture`, an
+``asyncio.Task``: done-callbacks, ``then`` chaining, cancellation). RRefs have PyTorch's
+``to_here``, ``local_value`` (waits for a value still being created, except in a coroutine
+on the owner's loop, which must ``await rref.to_here()``), ``confirmed_by_owner``,
+``backward`` and the proxies ``rref.rpc_sync()``, ``rref.rpc_async()`` and ``rref.remote()``
+(``rref.rpc_async().forward(x)`` runs the value's public method on the owner). A message
+that reaches an RRef's owner before the RRef's creation gets a pending record there.
 
 Backends share everything above the transport (:mod:`.agent`):
 
@@ -71,6 +80,7 @@ from aioautograd.distributed.rpc.errors import (
     RpcTimeoutError,
     WorkerUnavailableError,
 )
+from aioautograd.distributed.rpc.futures import RpcFuture
 from aioautograd.distributed.rpc.interceptors import (
     MessageInfo,
     RpcInterceptor,
@@ -98,6 +108,7 @@ __all__ = [
     "RpcAuthenticationError",
     "RpcBackendOptions",
     "RpcError",
+    "RpcFuture",
     "RpcInterceptor",
     "RpcTimeoutError",
     "TLSConfig",

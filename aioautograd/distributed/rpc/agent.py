@@ -29,6 +29,7 @@ import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from aioautograd._asyncio import ensure_no_running_loop, running_loop
@@ -42,6 +43,7 @@ from aioautograd.distributed.rpc.errors import (
     rebuild_remote_error,
     type_name_of,
 )
+from aioautograd.distributed.rpc.futures import RpcFuture
 from aioautograd.distributed.rpc.interceptors import (
     MessageInfo,
     RpcInterceptor,
@@ -57,6 +59,18 @@ if TYPE_CHECKING:
     from aioautograd.tensor import Tensor
 
 logger = logging.getLogger("aioautograd.distributed.rpc")
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    """An encoded request, ready to send."""
+
+    dst: WorkerInfo
+    name: str
+    call_id: int
+    seconds: float | None
+    message: wire.Message
+    objects: list[Any]
 
 
 class RpcAgent(ABC):
@@ -108,6 +122,7 @@ class RpcAgent(ABC):
         self._internal: dict[str, Callable[..., Any]] = {
             f"{INTERNAL_PREFIX}rref_fetch": self.rrefs.fetch,
             f"{INTERNAL_PREFIX}rref_fork": self.rrefs.fork,
+            f"{INTERNAL_PREFIX}rref_method": self.rrefs.method,
             f"{INTERNAL_PREFIX}rref_delete": self.rrefs.delete,
             f"{INTERNAL_PREFIX}shutdown_ready": self._shutdown_ready,
         }
@@ -167,6 +182,9 @@ class RpcAgent(ABC):
         logger.log(level, "RPC worker %r marks worker %r dead: %s", self.info.name, name, reason)
         for task in self._inflight.get(name, ()):
             task.cancel()
+        worker = self._workers.get(name)
+        if worker is not None:
+            self.rrefs.creator_lost(worker, reason)
         self._barrier_changed.set()
 
     async def shutdown(self, graceful: bool = True) -> None:
@@ -237,11 +255,13 @@ class RpcAgent(ABC):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for interceptor in list(self._interceptors.values()):
+            interceptor.on_stop()
         await self._stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.rrefs.owned.clear()
-        if _current_agent.get() is self:
-            _current_agent.set(None)
+        # The calling task keeps this (stopped) agent as its worker: its later RPC calls
+        # fail with "not initialised" instead of borrowing another worker's identity.
 
     def run_sync(self, coroutine_function: Callable[..., Any], *args: Any) -> Any:
         """Run ``coroutine_function(*args)`` on the agent's loop from another thread; block.
@@ -312,7 +332,11 @@ class RpcAgent(ABC):
 
         return hook
 
-    def _ext_decoders(self) -> dict[int, wire.ExtDecoder]:
+    def _ext_decoders(
+        self, pending: list[asyncio.Future[Any]] | None = None
+    ) -> dict[int, wire.ExtDecoder]:
+        # ``pending``: collects the futures of received RRefs this worker owns whose value
+        # is still being created (the callee waits for them before running the function).
         def worker_info(fields: list[Any]) -> WorkerInfo:
             if len(fields) != 2 or not isinstance(fields[0], str) or not isinstance(fields[1], int):
                 raise MalformedMessageError("malformed message: bad WorkerInfo")
@@ -320,7 +344,7 @@ class RpcAgent(ABC):
 
         return {
             wire.EXT_WORKER_INFO: worker_info,
-            wire.EXT_RREF: self.rrefs.from_wire,
+            wire.EXT_RREF: functools.partial(self.rrefs.from_wire, pending=pending),
         }
 
     # ---------------------------------------------------------------------- caller side
@@ -345,6 +369,42 @@ class RpcAgent(ABC):
 
         See :func:`~aioautograd.distributed.rpc.rpc_async` for the semantics.
         """
+        return await self._complete(self._prepare(to, fn, args, kwargs, timeout, rref_id))
+
+    def call_soon(
+        self,
+        to: str | int | WorkerInfo,
+        fn: Callable[..., Any] | str,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        *,
+        rref_id: RRefId | None = None,
+    ) -> RpcFuture[Any]:
+        """Encode the call now (arguments, autograd records, the timeout in force) and send
+        it from a task; return that task (see :func:`~aioautograd.distributed.rpc.rpc_async`).
+
+        Raises:
+            RuntimeError: when called off the agent's event loop (use ``rpc_sync``).
+        """
+        if running_loop() is not self.loop:
+            raise RuntimeError(
+                "rpc_async() must be called on the RPC agent's event loop; from another "
+                "thread use rpc.rpc_sync()"
+            )
+        outgoing = self._prepare(to, fn, args, kwargs, timeout, rref_id)
+        return RpcFuture(self._complete(outgoing), loop=self.loop)
+
+    def _prepare(
+        self,
+        to: str | int | WorkerInfo,
+        fn: Callable[..., Any] | str,
+        args: Sequence[Any],
+        kwargs: dict[str, Any] | None,
+        timeout: float | None,
+        rref_id: RRefId | None,
+    ) -> _Outgoing:
+        # The synchronous half of a call: everything that reads the caller's state.
         if self._stopped:
             raise RpcError(f"the RPC agent of worker {self.info.name!r} has shut down")
         dst = self.worker_info(to)
@@ -360,9 +420,13 @@ class RpcAgent(ABC):
         info = MessageInfo("request", self.info, dst, call_id, name)
         payload = [list(args), dict(kwargs or {})]
         message, objects = wire.encode(fields, payload, self._send_hook(info))
-        for obj in objects:
+        return _Outgoing(dst, name, call_id, seconds, message, objects)
+
+    async def _complete(self, outgoing: _Outgoing) -> Any:
+        dst, name, call_id = outgoing.dst, outgoing.name, outgoing.call_id
+        for obj in outgoing.objects:
             await self.rrefs.register_fork(obj, dst)
-        response = await self._exchange(dst, message, seconds, name)
+        response = await self._exchange(dst, outgoing.message, outgoing.seconds, name)
         header = wire.decode_header(response)
         if header.call_id != call_id or header.kind == wire.REQUEST:
             raise MalformedMessageError(f"malformed response from worker {dst.name!r}")
@@ -430,8 +494,8 @@ class RpcAgent(ABC):
             raise RuntimeError("rpc.remote() must be called on the RPC agent's event loop")
         dst = self.worker_info(to)
         rref_id = self.rrefs.new_id()
+        creation = self.call_soon(dst, fn, args, kwargs, timeout, rref_id=rref_id)
         state = self.rrefs.owner_state(rref_id) if dst == self.info else None
-        creation = self.loop.create_task(self.call(dst, fn, args, kwargs, timeout, rref_id=rref_id))
         self.track(creation)
         return RRef._make(self, dst, rref_id, state=state, creation=creation)
 
@@ -471,12 +535,17 @@ class RpcAgent(ABC):
         if header.rref is not None:
             # Known before decoding: a failure below must reach the RRef, never leave it pending.
             state = self.rrefs.owner_state(header.rref)
+            state.created = True
         try:
             internal = self._internal.get(header.function)
             fn = internal or self._policy.resolve(header.function, self.info.name)
             info = MessageInfo("request", src, self.info, header.call_id, header.function)
+            pending: list[asyncio.Future[Any]] = []
             payload = wire.decode_payload(
-                header, message, self._receive_hook(info, header.metadata), self._ext_decoders()
+                header,
+                message,
+                self._receive_hook(info, header.metadata),
+                self._ext_decoders(pending),
             )
             if not (
                 isinstance(payload, list)
@@ -491,6 +560,10 @@ class RpcAgent(ABC):
                 args = [src, *args]
             if state is not None and src != self.info:
                 state.users += 1
+            if pending:
+                # PyTorch's local_value() blocks until the value exists: let the function
+                # find the values of the RRefs it owns ready (the call's deadline bounds it).
+                await asyncio.wait(pending)
             result = await self._invoke(fn, args, kwargs)
         except asyncio.CancelledError:
             if state is not None and not state.future.done():

@@ -8,6 +8,7 @@ from typing import Any
 
 from aioautograd.distributed.rpc.agent import RpcAgent
 from aioautograd.distributed.rpc.backends import create_agent
+from aioautograd.distributed.rpc.futures import RpcFuture
 from aioautograd.distributed.rpc.options import RpcBackendOptions
 from aioautograd.distributed.rpc.rref import RRef
 from aioautograd.distributed.rpc.worker import WorkerInfo, _current_agent, current_agent
@@ -95,18 +96,23 @@ async def shutdown(graceful: bool = True) -> None:
     await current_agent().shutdown(graceful)
 
 
-async def rpc_async(
+def rpc_async(
     to: WorkerRef,
     fn: Callable[..., Any] | str,
     args: Sequence[Any] = (),
     kwargs: dict[str, Any] | None = None,
-    timeout: float | None = None,  # noqa: ASYNC109 (PyTorch's signature)
-) -> Any:
-    """Run ``fn(*args, **kwargs)`` on worker ``to`` and return its result.
+    timeout: float | None = None,
+) -> RpcFuture[Any]:
+    """Send ``fn(*args, **kwargs)`` to worker ``to`` now; return a future of its result.
 
-    ``fn`` is a registered function (or allow-listed on the callee), or its wire name. The
-    arguments and the result are copied (see ``wire`` for what may travel; no pickle). Start
-    several calls at once with ``asyncio.gather`` or ``asyncio.TaskGroup``.
+    As in PyTorch, the call is made when ``rpc_async`` is called (arguments encoded,
+    distributed autograd records made, the default timeout read), not when the future is
+    awaited. The :class:`RpcFuture` is an ``asyncio.Task``: ``await`` it, give it to
+    ``asyncio.gather``, add done-callbacks, or chain with :meth:`RpcFuture.then`;
+    cancelling it cancels the remote work. ``fn`` is a registered function (or
+    allow-listed on the callee), or its wire name. The arguments and the result are copied
+    (see ``wire`` for what may travel; no pickle). Must be called on the agent's event loop
+    (from other threads, use :func:`rpc_sync`).
 
     Args:
         to: The worker's name, id or :class:`WorkerInfo`.
@@ -117,16 +123,20 @@ async def rpc_async(
             remote work is cancelled (an ``async`` function is; a plain one finishes on its
             thread, its result discarded).
 
-    Raises:
+    Raises (when awaited):
         RemoteError: the function raised; the error carries the original type name,
             message and worker name, and is also an instance of the original type when
             that is a built-in exception (``except ValueError`` works).
         FunctionNotRegisteredError: the callee refused ``fn`` (raised as a RemoteError too).
         RpcTimeoutError: the call took longer than ``timeout``.
         WorkerUnavailableError: the worker is unreachable, shut down or marked dead.
+
+    Raises (at once):
         TypeError: an argument cannot travel.
+        ValueError: an unknown worker.
+        RuntimeError: RPC is not initialised, or the caller is not on the agent's loop.
     """
-    return await current_agent().call(to, fn, args, kwargs, timeout)
+    return current_agent().call_soon(to, fn, args, kwargs, timeout)
 
 
 def rpc_sync(
@@ -157,8 +167,10 @@ def remote(
 ) -> RRef[Any]:
     """Run ``fn`` on ``to`` and return at once an :class:`RRef` to the result it keeps.
 
-    The call proceeds in the background (a graceful ``shutdown`` waits for it); an error it
-    raises surfaces from ``rref.to_here()``. Must be called on the agent's event loop.
+    The call is encoded now (as with :func:`rpc_async`) and proceeds in the background (a
+    graceful ``shutdown`` waits for it); an error it raises surfaces from
+    ``rref.to_here()``. Messages carrying the RRef may reach the owner before the creation
+    does: the owner waits for the value. Must be called on the agent's event loop.
     """
     return current_agent().remote(to, fn, args, kwargs, timeout)
 

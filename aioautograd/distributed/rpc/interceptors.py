@@ -18,6 +18,10 @@ directions, including the RPC layer's own calls (their ``function`` starts with
   function (and to plain functions on worker threads); a response is decoded in the
   caller's task.
 
+``on_shutdown()`` runs in a graceful shutdown before the final barrier (RPCs still work),
+``on_stop()`` when the agent stops, after that barrier: state peers may still need (such as
+distributed autograd contexts) is dropped there.
+
 Register a factory with :func:`register_interceptor_factory` to give every agent started
 later its own instance (one per worker, also on the ``local`` backend where several workers
 share a process); :meth:`RpcAgent.get_interceptor` finds it again. Sketch of distributed
@@ -88,6 +92,10 @@ class RpcInterceptor:
 
     async def on_shutdown(self) -> None:
         """Called by a graceful shutdown before the final barrier (RPCs still work)."""
+
+    def on_stop(self) -> None:
+        """Called when the agent stops: after the shutdown barrier (every peer is done with
+        this worker), or at once for ``shutdown(graceful=False)``. RPCs no longer work."""
 
 
 _interceptor_factories: dict[str, Callable[[RpcAgent], RpcInterceptor]] = {}

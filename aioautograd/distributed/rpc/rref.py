@@ -19,8 +19,14 @@ import itertools
 import weakref
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from aioautograd._asyncio import running_loop
 from aioautograd.distributed.rpc import wire
-from aioautograd.distributed.rpc.errors import MalformedMessageError, RpcError, RpcTimeoutError
+from aioautograd.distributed.rpc.errors import (
+    MalformedMessageError,
+    RpcError,
+    RpcTimeoutError,
+    WorkerUnavailableError,
+)
 from aioautograd.distributed.rpc.registry import INTERNAL_PREFIX
 from aioautograd.distributed.rpc.worker import WorkerInfo, current_agent
 
@@ -34,16 +40,18 @@ RRefId: TypeAlias = "tuple[int, int]"  # (creator's worker id, creator's counter
 
 
 class _OwnerState:
-    """The owner's record of one value: its future, the count of remote users, and how many
+    """The owner's record of one value: its future, the count of remote users, how many
     messages carrying it to the owner itself are on their way (``owned`` must keep it until
-    they are decoded)."""
+    they are decoded), and whether its ``remote()`` creation has arrived (a record made by a
+    message that overtook the creation has not)."""
 
-    __slots__ = ("future", "in_transit", "users")
+    __slots__ = ("created", "future", "in_transit", "users")
 
     def __init__(self, future: asyncio.Future[Any]) -> None:
         self.future = future
         self.users = 0
         self.in_transit = 0
+        self.created = future.done()
 
 
 class RRef(Generic[T]):
@@ -59,6 +67,8 @@ class RRef(Generic[T]):
         rref = rpc.remote("worker1", make_model)        # returns at once
         weights = await rref.to_here()                   # a copy of the value
         assert rref.owner().name == "worker1"
+        out = await rref.rpc_async().forward(x)          # a method run on the owner
+        await loss_rref.backward(context_id)             # distributed backward from it
     """
 
     __slots__ = ("__weakref__", "_agent", "_creation", "_owner", "_rref_id", "_state")
@@ -120,9 +130,16 @@ class RRef(Generic[T]):
     def local_value(self) -> T:
         """The value itself (not a copy); only on the owner.
 
+        As in PyTorch, it waits for a value that its ``remote()`` call is still creating:
+        a remote function that receives an RRef its worker owns runs once the value
+        exists, and a plain function (on a worker thread) blocks until it does. Only a
+        coroutine on the owner's own event loop cannot block: there, use
+        ``await rref.to_here()``, which returns the value itself on the owner.
+
         Raises:
-            RuntimeError: on a worker that is not the owner, or while the ``remote()`` call
-                that produces the value is still running.
+            RuntimeError: on a worker that is not the owner, or on the owner's event loop
+                while the ``remote()`` call that produces the value is still running.
+            RpcTimeoutError: when a blocking wait exceeds the RPC timeout.
             Exception: the exception the producing function raised.
         """
         if self._state is None:
@@ -132,11 +149,63 @@ class RRef(Generic[T]):
             )
         future = self._state.future
         if not future.done():
-            raise RuntimeError(
-                "the RRef's value is not ready yet (its remote() call is still running): "
-                "use `await rref.to_here()`"
-            )
+            if running_loop() is self._agent.loop:
+                raise RuntimeError(
+                    "the RRef's value is still being created by its remote() call and a "
+                    "coroutine cannot block for it: use `await rref.to_here()` (on the owner "
+                    "it returns the value itself)"
+                )
+            return self._agent.run_sync(self.to_here)  # type: ignore[no-any-return]
         return future.result()  # type: ignore[no-any-return]
+
+    def confirmed_by_owner(self) -> bool:
+        """True once the owner knows of this reference (always on the owner; for an RRef
+        made by ``remote()``, once the call reached the owner and completed)."""
+        return self._state is not None or self._creation is None or self._creation.done()
+
+    async def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run a backward pass from the value (a scalar tensor) on its owner.
+
+        With ``dist_autograd_ctx_id`` (PyTorch's argument), a distributed backward pass of
+        that context starts on the owner (the value must have been made in the context);
+        read the gradients with ``dist_autograd.get_gradients``. Without it (``-1``), a
+        local ``backward`` of the value, which only its owner may run.
+
+        Raises:
+            RuntimeError: a local backward off the owner; a value that is not a scalar
+                tensor with a gradient function.
+            RemoteError: the pass failed on a worker (its name and message included).
+        """
+        if dist_autograd_ctx_id == -1:
+            if self._state is None:
+                raise RuntimeError(
+                    f"a local RRef.backward() must run on the owner {self._owner.name!r}: "
+                    "pass the distributed autograd context id to run it from here"
+                )
+            value = await self.to_here()
+            await _checked_root(value).backward(retain_graph=retain_graph)
+            return
+        await self._agent.call(
+            self._owner, RREF_BACKWARD, (self, dist_autograd_ctx_id, retain_graph)
+        )
+
+    def rpc_sync(self, timeout: float | None = None) -> Any:
+        """A proxy that runs the value's methods on the owner, blocking (off the loop).
+
+        ``rref.rpc_sync().forward(x)`` is ``rpc_sync(owner, <forward of local_value()>,
+        (x,))``. Methods whose name starts with ``_`` are refused.
+        """
+        return _Proxy(self, "sync", timeout)
+
+    def rpc_async(self, timeout: float | None = None) -> Any:
+        """A proxy whose method calls run on the owner and return an :class:`RpcFuture`:
+        ``await rref.rpc_async().forward(x)``."""
+        return _Proxy(self, "async", timeout)
+
+    def remote(self, timeout: float | None = None) -> Any:
+        """A proxy whose method calls run on the owner and return an RRef to the result
+        (owned there): ``rref.remote().forward(x)``."""
+        return _Proxy(self, "remote", timeout)
 
     async def to_here(self, timeout: float | None = None) -> T:  # noqa: ASYNC109 (PyTorch's)
         """Fetch the value: a copy from the owner, or the value itself on the owner.
@@ -159,8 +228,7 @@ class RRef(Generic[T]):
                 raise RpcTimeoutError(f"RRef value not ready after {seconds} s") from None
         if self._creation is not None:
             await asyncio.shield(self._creation)
-        fetch = f"{INTERNAL_PREFIX}rref_fetch"
-        value: T = await self._agent.call(self._owner, fetch, self._rref_id, timeout=timeout)
+        value: T = await self._agent.call(self._owner, FETCH, self._rref_id, timeout=timeout)
         return value
 
     def to_here_sync(self, timeout: float | None = None) -> T:
@@ -173,6 +241,58 @@ class RRef(Generic[T]):
     def __repr__(self) -> str:
         role = "owner" if self._state is not None else "user"
         return f"RRef(owner={self._owner.name!r}, id={self._rref_id}, {role})"
+
+
+RREF_BACKWARD = f"{INTERNAL_PREFIX}rref_backward"  # installed by distributed autograd
+FETCH = f"{INTERNAL_PREFIX}rref_fetch"
+METHOD = f"{INTERNAL_PREFIX}rref_method"
+
+
+def _checked_root(value: Any) -> Any:
+    from aioautograd.tensor import Tensor
+
+    if not isinstance(value, Tensor) or value.numel() != 1:
+        raise RuntimeError(
+            f"RRef.backward() needs a scalar tensor value, not {type(value).__name__}"
+            + (f" of shape {tuple(value.shape)}" if isinstance(value, Tensor) else "")
+        )
+    if value.grad_fn is None:
+        raise RuntimeError(
+            "RRef.backward(): the value does not have a valid gradient function (a leaf, or a "
+            "tensor that does not require grad)"
+        )
+    return value
+
+
+class _Proxy:
+    """What ``rref.rpc_sync()``, ``rref.rpc_async()`` and ``rref.remote()`` return."""
+
+    __slots__ = ("_mode", "_rref", "_timeout")
+
+    def __init__(self, rref: RRef[Any], mode: str, timeout: float | None) -> None:
+        self._rref = rref
+        self._mode = mode
+        self._timeout = timeout
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(f"RRef proxies run public methods only, not {name!r}")
+        rref, mode, timeout = self._rref, self._mode, self._timeout
+
+        def invoke(*args: Any, **kwargs: Any) -> Any:
+            agent = rref._agent
+            call_args = (rref, name, list(args), kwargs)
+            if mode == "sync":
+                return agent.run_sync(agent.call, rref._owner, METHOD, call_args, None, timeout)
+            if mode == "async":
+                return agent.call_soon(rref._owner, METHOD, call_args, None, timeout)
+            return agent.remote(rref._owner, METHOD, call_args, None, timeout)
+
+        invoke.__name__ = name
+        return invoke
+
+    def __repr__(self) -> str:
+        return f"<RRef {self._mode} proxy of {self._rref!r}>"
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
@@ -204,8 +324,28 @@ class RRefContext:
             state.future.add_done_callback(_retrieve)
         return state
 
-    def from_wire(self, fields: list[Any]) -> RRef[Any]:
-        """Rebuild a received RRef: the owner's own reference, or a new user reference."""
+    def creator_lost(self, creator: WorkerInfo, reason: str) -> None:
+        """Fail the pending records of RRefs that ``creator`` (now dead) made with
+        ``remote()`` whose creation never arrived: whoever waits for them stops waiting."""
+        for rref_id, state in list(self.owned.items()):
+            if rref_id[0] == creator.id and not state.created and not state.future.done():
+                state.future.set_exception(
+                    WorkerUnavailableError(
+                        f"the value of RRef {rref_id} will never exist on worker "
+                        f"{self.agent.info.name!r}: its creator {creator.name!r} is dead "
+                        f"({reason}) and its remote() call never arrived"
+                    )
+                )
+
+    def from_wire(
+        self, fields: list[Any], pending: list[asyncio.Future[Any]] | None = None
+    ) -> RRef[Any]:
+        """Rebuild a received RRef: the owner's own reference, or a new user reference.
+
+        On the owner, a reference whose ``remote()`` creation has not arrived yet (this
+        message overtook it) gets a pending record that the creation fills; its future goes
+        to ``pending`` while the value does not exist.
+        """
         if len(fields) != 4 or not all(isinstance(f, int) for f in fields[1:]):
             raise MalformedMessageError("malformed message: bad RRef")
         owner_name, owner_id, creator, local = fields
@@ -217,9 +357,9 @@ class RRefContext:
             raise MalformedMessageError(f"malformed message: RRef owner {owner_name!r} mismatch")
         rref_id = (creator, local)
         if owner == agent.info:
-            state = self.owned.get(rref_id)
-            if state is None:
-                raise RpcError(f"worker {owner_name!r} owns no RRef {rref_id}")
+            state = self.owner_state(rref_id)
+            if pending is not None and not state.future.done():
+                pending.append(state.future)
             if state.in_transit > 0:
                 state.in_transit -= 1
             if state.in_transit <= 0 and state.users <= 0 and state.future.done():
@@ -246,6 +386,20 @@ class RRefContext:
         if state is None:
             raise RpcError(f"worker {self.agent.info.name!r} owns no RRef {(creator, local)}")
         return await asyncio.shield(state.future)
+
+    async def method(
+        self, src: WorkerInfo, rref: RRef[Any], name: str, args: list[Any], kwargs: dict[str, Any]
+    ) -> Any:
+        if not isinstance(rref, RRef) or not rref.is_owner():
+            raise RpcError(
+                f"an RRef method call reached worker {self.agent.info.name!r}, not the owner"
+            )
+        if not isinstance(name, str) or not name or name.startswith("_"):
+            raise RpcError(f"RRef proxies run public methods only, not {name!r}")
+        if not isinstance(args, list) or not isinstance(kwargs, dict):
+            raise MalformedMessageError("malformed RRef method call")
+        bound = getattr(rref.local_value(), name)
+        return await self.agent._invoke(bound, args, kwargs)
 
     async def fork(self, src: WorkerInfo, creator: int, local: int) -> None:
         self.owner_state((creator, local)).users += 1

@@ -26,6 +26,7 @@ class _Group:
         self.loop = loop
         self.world_size = world_size
         self.members: dict[str, LocalAgent] = {}
+        self.joined: dict[str, WorkerInfo] = {}  # every worker that joined, gone or not
         self.complete = asyncio.Event()
 
 
@@ -57,6 +58,7 @@ class LocalAgent(RpcAgent):
         if any(member.info.id == self.info.id for member in group.members.values()):
             raise ValueError(f"rank {self.info.id} already joined group {key!r}")
         group.members[self.info.name] = self
+        group.joined[self.info.name] = self.info
         self._group = group
         if len(group.members) == group.world_size:
             group.complete.set()
@@ -67,7 +69,11 @@ class LocalAgent(RpcAgent):
                 f"init_rpc timed out after {self.options.init_timeout} s: "
                 f"{len(group.members)} of {group.world_size} workers joined group {key!r}"
             ) from None
-        return [member.info for member in group.members.values()]
+        # A worker that left already (it shut down right after joining) stays in the
+        # directory, dead: calls to it fail as calls to a dead worker, not an unknown one.
+        for name in group.joined.keys() - group.members.keys():
+            self.mark_dead(name, "it shut down", expected=True)
+        return list(group.joined.values())
 
     async def _send_request(
         self, dst: WorkerInfo, message: wire.Message, seconds: float | None

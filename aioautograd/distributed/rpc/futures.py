@@ -1,0 +1,84 @@
+"""`RpcFuture`: what ``rpc_async`` returns (PyTorch's ``torch.futures.Future``, as an asyncio
+task).
+
+The call is encoded and handed to the transport when ``rpc_async`` is called, not when the
+future is awaited: a future nobody awaits still runs its call. Being an ``asyncio.Task``, it
+is awaitable, takes done-callbacks (``add_done_callback``), works with ``asyncio.gather`` /
+``wait_for``, and cancelling it cancels the remote work. :meth:`RpcFuture.then` chains a
+callback as PyTorch's ``Future.then`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+S = TypeVar("S")
+
+
+class RpcFuture(asyncio.Task, Generic[T]):  # type: ignore[type-arg]
+    """The pending result of one remote call (an ``asyncio.Task``).
+
+    Example::
+
+        fut = rpc.rpc_async("worker1", add, args=(x, y))    # sent now
+        fut.add_done_callback(lambda f: print("done"))
+        doubled = fut.then(lambda f: f.value() * 2)          # a chained future
+        assert await doubled == 2 * await fut
+    """
+
+    def value(self) -> T:
+        """The result (PyTorch's ``Future.value()``); raises the call's error.
+
+        Raises:
+            asyncio.InvalidStateError: when the call has not completed (``await`` it).
+        """
+        return self.result()  # type: ignore[no-any-return]
+
+    async def wait(self) -> T:
+        """Wait for the result (PyTorch's ``Future.wait()``; the same as ``await fut``)."""
+        return await self  # type: ignore[no-any-return]
+
+    def then(self, callback: Callable[[RpcFuture[T]], S]) -> asyncio.Future[Any]:
+        """A future resolved with ``callback(self)`` once this one completes.
+
+        The callback runs on the event loop and receives this (completed) future; what it
+        returns becomes the new future's result (an awaitable is awaited first), what it
+        raises its exception. Cancelling this future cancels the chained one.
+        """
+        loop = self.get_loop()
+        chained: asyncio.Future[Any] = loop.create_future()
+
+        def resolve(task: asyncio.Future[Any]) -> None:
+            if chained.done():
+                return
+            if task.cancelled():
+                chained.cancel()
+                return
+            try:
+                result = callback(self)
+            except BaseException as exc:
+                chained.set_exception(exc)
+                return
+            if inspect.isawaitable(result):
+                forward = asyncio.ensure_future(result, loop=loop)
+                forward.add_done_callback(lambda done: _copy_outcome(done, chained))
+            else:
+                chained.set_result(result)
+
+        self.add_done_callback(resolve)
+        return chained
+
+
+def _copy_outcome(source: asyncio.Future[Any], target: asyncio.Future[Any]) -> None:
+    if target.done():
+        return
+    if source.cancelled():
+        target.cancel()
+    elif source.exception() is not None:
+        target.set_exception(source.exception())  # type: ignore[arg-type]
+    else:
+        target.set_result(source.result())
