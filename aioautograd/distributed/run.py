@@ -31,7 +31,7 @@ import sys
 from collections.abc import Sequence
 from typing import BinaryIO
 
-_LINE_LIMIT = 1 << 24  # longest output line relayed (bytes)
+_LINE_PIECE = 1 << 20  # longer output lines are relayed as several lines of this size
 
 
 def _free_port(host: str) -> int:
@@ -105,7 +105,6 @@ class _Launcher:
                         stdout=asyncio.subprocess.PIPE,
                         stderr=asyncio.subprocess.PIPE,
                         start_new_session=True,  # so that stopping reaches its children too
-                        limit=_LINE_LIMIT,
                     )
                     self.procs.append(proc)
                     assert proc.stdout is not None
@@ -119,6 +118,11 @@ class _Launcher:
                         failure = code if code > 0 else 128 - code  # killed by signal -code
                         self._say(f"rank {rank} exited with code {code}; stopping the others")
                         group.create_task(self._stop_all())
+        except BaseException:
+            # Whatever went wrong here, no rank is left running without its supervisor.
+            self._say("the launcher failed; stopping all processes")
+            await asyncio.shield(self._stop_all(force=True))
+            raise
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
@@ -130,8 +134,8 @@ class _Launcher:
         self.signal_tasks.add(task)
         task.add_done_callback(self.signal_tasks.discard)
 
-    async def _stop_all(self) -> None:
-        if self.stopping:
+    async def _stop_all(self, force: bool = False) -> None:
+        if self.stopping and not force:
             return
         self.stopping = True
         running = [p for p in self.procs if p.returncode is None]
@@ -161,10 +165,30 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
 
 
 async def _pump(stream: asyncio.StreamReader, out: BinaryIO, rank: int) -> None:
+    # Chunks, not readline() (which raises on a line over its limit): every relayed line gets
+    # the prefix and is written whole; a line longer than _LINE_PIECE is relayed as several
+    # lines of at most that size, so memory stays bounded whatever a rank prints.
     prefix = f"[rank {rank}] ".encode()
-    while line := await stream.readline():
-        out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+    pending = b""
+    while chunk := await stream.read(_LINE_PIECE):
+        data = pending + chunk
+        lines = data.split(b"\n")
+        pending = lines.pop()
+        while len(pending) >= _LINE_PIECE:
+            lines.append(pending[:_LINE_PIECE])
+            pending = pending[_LINE_PIECE:]
+        if lines:
+            _write(out, b"".join(prefix + line + b"\n" for line in lines))
+    if pending:
+        _write(out, prefix + pending + b"\n")
+
+
+def _write(out: BinaryIO, data: bytes) -> None:
+    try:
+        out.write(data)
         out.flush()
+    except (OSError, ValueError):
+        pass  # our own output is gone (a closed pipe): keep draining, keep supervising
 
 
 def main(argv: Sequence[str] | None = None) -> int:

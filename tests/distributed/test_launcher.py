@@ -29,6 +29,11 @@ SCRIPT = textwrap.dedent(
             if rank == 1:
                 sys.exit(3)
             time.sleep(60)  # must be stopped by the launcher
+        if sys.argv[1:] == ["long"]:
+            sys.stdout.write("x" * (17 << 20))  # one 17 MB line, no newline at the end
+            sys.stdout.flush()
+            sys.stderr.write("line\\r\\n" + "y" * 100_000 + "\\nlast")
+            return
         await rpc.init_rpc(f"worker{rank}")  # everything else comes from the environment
         if rank == 0:
             result = await rpc.rpc_async("worker1", square, args=(ag.tensor([3.0]),))
@@ -64,3 +69,16 @@ def test_launcher_stops_everyone_when_one_fails(tmp_path: Path) -> None:
     done = _launch(tmp_path, "fail")
     assert done.returncode == 3
     assert "[launcher] rank 1 exited with code 3; stopping the others" in done.stderr
+
+
+def test_launcher_relays_lines_of_any_length(tmp_path: Path) -> None:
+    done = _launch(tmp_path, "long")
+    assert done.returncode == 0, done.stderr[-2000:]
+    # 17 MB lines without a newline come as 17 prefixed lines of 1 MiB per rank.
+    lines = done.stdout.splitlines()
+    for rank in (0, 1):
+        assert lines.count(f"[rank {rank}] " + "x" * (1 << 20)) == 17
+    assert len(lines) == 34
+    for rank in (0, 1):
+        for text in ("line", "y" * 100_000, "last"):  # text mode reads \r\n as \n
+            assert f"[rank {rank}] {text}" in done.stderr.split("\n")
