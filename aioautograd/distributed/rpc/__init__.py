@@ -68,6 +68,7 @@ from aioautograd.distributed.rpc.errors import (
     RemoteError,
     RpcAuthenticationError,
     RpcError,
+    RpcLimitError,
     RpcTimeoutError,
     WorkerUnavailableError,
 )
@@ -88,6 +89,7 @@ from aioautograd.distributed.rpc.worker import WorkerInfo
 
 __all__ = [
     "FunctionNotRegisteredError",
+    "RpcLimitError",
     "GrpcOptions",
     "LocalOptions",
     "MalformedMessageError",

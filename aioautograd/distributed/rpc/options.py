@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_RPC_TIMEOUT = 60.0
+IDENTITY_MODES = ("shared", "token")
 
 
 @dataclass
@@ -124,7 +125,23 @@ class GrpcOptions(RpcBackendOptions):
             acceptable on loopback only.
         heartbeat_interval: Seconds between heartbeats to each peer.
         heartbeat_timeout: A peer that has not answered for this long is marked dead: calls
-            in flight to it fail and later ones fail at once.
+            in flight to it fail and later ones fail at once. Heartbeats are sent and answered
+            by a thread of their own, so a peer whose event loop is busy (a long synchronous
+            step) stays alive; a dead peer that answers again is alive again.
+        max_message_size: The largest message, in bytes, this worker accepts or sends (a
+            larger one fails with :class:`RpcLimitError` on the sender, or is refused by the
+            receiver before it is read). Every worker should use the same value.
+        max_inflight_bytes: Bytes of requests this worker may have in flight at once; further
+            calls wait (within their timeout) until earlier ones finish.
+        max_inflight_calls: Calls this worker may have in flight at once; further calls wait.
+        max_concurrent_calls: Calls this worker serves at once; beyond it, callers get an
+            :class:`RpcLimitError` ("overloaded") and the worker keeps serving the others.
+        identity: ``"shared"`` (default): every worker carries the shared token, and any
+            holder of it may speak as any worker. ``"token"``: each worker carries its own
+            token, ``HMAC-SHA256(shared token, worker name)``, and a request is refused unless
+            its sender (the ``src`` of the message, the name that joins) is the worker the
+            token belongs to. Every worker must use the same mode. Default:
+            ``AIOAUTOGRAD_RPC_IDENTITY``, else ``"shared"``.
     """
 
     master_addr: str | None = None
@@ -135,6 +152,11 @@ class GrpcOptions(RpcBackendOptions):
     tls: TLSConfig | None = None
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
+    max_message_size: int = 256 << 20
+    max_inflight_bytes: int = 1 << 30
+    max_inflight_calls: int = 1024
+    max_concurrent_calls: int = 4096
+    identity: str = ""
 
     def resolved(self) -> GrpcOptions:
         """A copy with the environment's values filled in; raises if something is missing."""
@@ -156,11 +178,28 @@ class GrpcOptions(RpcBackendOptions):
             )
         if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("need 0 < heartbeat_interval < heartbeat_timeout")
+        for field in (
+            "max_message_size",
+            "max_inflight_bytes",
+            "max_inflight_calls",
+            "max_concurrent_calls",
+        ):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GrpcOptions.{field} must be a positive integer, got {value!r}")
+        if self.max_message_size >= 1 << 31:
+            raise ValueError("GrpcOptions.max_message_size must be below 2 GiB (gRPC's limit)")
+        identity = self.identity or os.environ.get("AIOAUTOGRAD_RPC_IDENTITY") or "shared"
+        if identity not in IDENTITY_MODES:
+            raise ValueError(
+                f"GrpcOptions.identity must be one of {IDENTITY_MODES}, got {identity!r}"
+            )
         return dataclasses.replace(
             self,
             master_addr=master_addr,
             master_port=master_port,
             host=self.host or os.environ.get("AIOAUTOGRAD_HOST") or master_addr,
             token=token,
+            identity=identity,
             tls=self.tls if self.tls is not None else TLSConfig.from_env(),
         )
