@@ -12,6 +12,7 @@ import asyncio
 import contextvars
 import datetime
 import ipaddress
+import json
 import os
 import secrets
 import signal
@@ -154,8 +155,12 @@ async def start_world(
     tls: dict[str, Any] | None = None,
     heartbeat: tuple[float, float] = HEARTBEAT,
     rpc_timeout: float = 30.0,
+    grpc_options: dict[str, Any] | None = None,
 ) -> World:
-    """Start a world of a driver (this task) and ``n_workers`` workers."""
+    """Start a world of a driver (this task) and ``n_workers`` workers.
+
+    ``grpc_options``: more :class:`GrpcOptions` fields, for the driver and every worker.
+    """
     world_size = n_workers + 1
     names = [f"worker{rank}" for rank in range(1, world_size)]
     if backend == "local":
@@ -185,6 +190,7 @@ async def start_world(
             AIOAUTOGRAD_RPC_TOKEN=token,
             TEST_WORKER_NAME=name,
             TEST_HEARTBEAT=",".join(map(str, heartbeat)),
+            TEST_GRPC_OPTIONS=json.dumps(grpc_options or {}),
         )
         for key in list(env):
             if key.startswith("AIOAUTOGRAD_TLS_"):
@@ -213,6 +219,7 @@ async def start_world(
         init_timeout=30,
         shutdown_timeout=20,
         rpc_timeout=rpc_timeout,
+        **(grpc_options or {}),
     )
     try:
         world.driver = await rpc.init_rpc("driver", 0, world_size, "grpc", options=options)

@@ -28,7 +28,6 @@ import logging
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from aioautograd._asyncio import ensure_no_running_loop, running_loop
@@ -48,6 +47,7 @@ from aioautograd.distributed.rpc.interceptors import (
     _interceptor_factories,
 )
 from aioautograd.distributed.rpc.options import RpcBackendOptions
+from aioautograd.distributed.rpc.pool import WorkerPool
 from aioautograd.distributed.rpc.registry import INTERNAL_PREFIX, FunctionPolicy, name_of
 from aioautograd.distributed.rpc.rref import RRef, RRefContext, _retrieve
 from aioautograd.distributed.rpc.worker import WorkerInfo, _current_agent, _live_agents
@@ -101,9 +101,7 @@ class RpcAgent(ABC):
         self._ready_from: set[str] = set()
         self._closing = False  # this worker has entered the shutdown barrier
         self._barrier_changed = asyncio.Event()
-        self._pool = ThreadPoolExecutor(
-            max_workers=options.num_worker_threads, thread_name_prefix=f"rpc-{name}"
-        )
+        self._pool = WorkerPool(options.num_worker_threads, f"rpc-{name}")
         self.rrefs = RRefContext(self)
         self._internal: dict[str, Callable[..., Any]] = {
             f"{INTERNAL_PREFIX}rref_fetch": self.rrefs.fetch,
@@ -238,7 +236,7 @@ class RpcAgent(ABC):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._stop()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
         self.rrefs.owned.clear()
         if _current_agent.get() is self:
             _current_agent.set(None)
@@ -522,7 +520,12 @@ class RpcAgent(ABC):
             return await fn(*args, **kwargs)
         context = contextvars.copy_context()
         call = functools.partial(context.run, fn, *args, **kwargs)
-        result = await self.loop.run_in_executor(self._pool, call)
+        future = self._pool.submit(call)
+        try:
+            result = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self._pool.abandon(future)  # a timeout: its thread no longer counts
+            raise
         if inspect.isawaitable(result):
             result = await result
         return result

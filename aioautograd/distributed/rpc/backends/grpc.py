@@ -606,8 +606,13 @@ class _Heartbeat:
         stubs = {peer: self._ping_stub(address) for peer, address in self._addresses.items()}
         pending: dict[str, Any] = {}
         reported: dict[str, float] = {}
+        tick = time.monotonic()
         while not self._stopping.wait(interval):
             now = time.monotonic()
+            if now - tick > limit:  # this process was frozen or starved: its view is stale
+                for peer in self._last_seen:
+                    self._last_seen[peer] = now
+            tick = now
             for peer, stub in stubs.items():
                 if peer not in pending or pending[peer].done():
                     future = stub.future(b"", timeout=limit, metadata=agent._metadata)
