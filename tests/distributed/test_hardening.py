@@ -20,11 +20,13 @@ import numpy as np
 import pytest
 
 import aioautograd as ag
+from aioautograd.distributed import autograd as dist_autograd
 from aioautograd.distributed import rpc
+from aioautograd.distributed.autograd.dist_engine import container_of
 from aioautograd.distributed.rpc import wire
 from aioautograd.distributed.rpc.backends.grpc import worker_token
 from aioautograd.distributed.rpc.registry import name_of
-from tests.distributed import hardening_fns, remote_fns
+from tests.distributed import dist_fns, hardening_fns, remote_fns
 from tests.distributed.conftest import FAST_HEARTBEAT, in_fresh_context, start_world
 
 pytestmark = pytest.mark.timeout(90)
@@ -238,3 +240,43 @@ def test_grpc_options_are_checked() -> None:
             rpc.GrpcOptions(master_port=1, token="t", **{field: 0}).resolved()
     with pytest.raises(ValueError, match="identity"):
         rpc.GrpcOptions(master_port=1, token="t", identity="names").resolved()
+
+
+async def test_orphaned_contexts_expire_on_a_timer_and_on_death(tmp_path: Path) -> None:
+    async def body() -> None:
+        world = await start_world("local", tmp_path, n_workers=1)
+        try:
+            worker1 = world.agent("worker1")
+            container = container_of(worker1)
+            key = "hardening-w"
+            await rpc.rpc_async("worker1", dist_fns.create_param, args=(key, np.ones((3, 1))))
+            x = ag.tensor(np.ones((2, 3)), requires_grad=True)
+
+            async def orphan() -> int:
+                # A context recorded on worker1, then forgotten by its creator (the driver).
+                async with dist_autograd.context() as context_id:
+                    await rpc.rpc_async("worker1", dist_fns.square_loss, args=(key, x))
+                    forgotten = container_of().pop(context_id)
+                    assert forgotten is not None
+                    forgotten.known_workers.clear()  # leaving the block releases nothing
+                    forgotten.release()
+                assert container.num_contexts() == 1
+                return context_id
+
+            # The TTL passes: a timer drops it, no new context needed.
+            await orphan()
+            container.ttl = 0.2
+            for _ in range(100):
+                if container.num_contexts() == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert container.num_contexts() == 0
+            container.ttl = 1800.0
+            # Its creator is marked dead: dropped at once.
+            await orphan()
+            worker1.mark_dead("driver", "a test says so")
+            assert container.num_contexts() == 0
+        finally:
+            await world.close()
+
+    await in_fresh_context(body)

@@ -54,6 +54,7 @@ class DistAutogradInterceptor(RpcInterceptor):
     def __init__(self, agent: RpcAgent) -> None:
         self.agent = agent
         self.container = DistAutogradContainer(agent)
+        self.container.start_expiry()
 
     def _context(self) -> DistAutogradContext | None:
         context = _current_context.get()
@@ -90,6 +91,9 @@ class DistAutogradInterceptor(RpcInterceptor):
 
     async def on_shutdown(self) -> None:
         self.container.clear()
+
+    def on_worker_dead(self, worker: WorkerInfo) -> None:
+        self.container.creator_died(worker.id)
 
 
 def _install(agent: RpcAgent) -> DistAutogradInterceptor:

@@ -166,6 +166,13 @@ class RpcAgent(ABC):
         for task in self._inflight.get(name, ()):
             task.cancel()
         self._barrier_changed.set()
+        worker = self._workers.get(name)
+        if worker is not None:
+            for interceptor in list(self._interceptors.values()):
+                try:
+                    interceptor.on_worker_dead(worker)
+                except Exception:
+                    logger.exception("an RPC interceptor failed on the death of %r", name)
 
     async def shutdown(self, graceful: bool = True) -> None:
         """Stop this worker (see :func:`~aioautograd.distributed.rpc.shutdown`)."""

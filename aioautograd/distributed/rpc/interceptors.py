@@ -89,6 +89,9 @@ class RpcInterceptor:
     async def on_shutdown(self) -> None:
         """Called by a graceful shutdown before the final barrier (RPCs still work)."""
 
+    def on_worker_dead(self, worker: WorkerInfo) -> None:
+        """Called on the agent's loop when ``worker`` is marked dead (or shut down)."""
+
 
 _interceptor_factories: dict[str, Callable[[RpcAgent], RpcInterceptor]] = {}
 
