@@ -34,9 +34,12 @@ credentials with ``UNAUTHENTICATED`` without reading its message. Messages are b
 from __future__ import annotations
 
 import asyncio
+import datetime
 import hashlib
 import hmac
 import logging
+import os
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -254,7 +257,8 @@ class GrpcAgent(RpcAgent):
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         port = options.master_port if self.info.id == 0 else options.port
-        address = f"{options.host}:{port}"
+        bind_host, own_host = self._hosts()
+        address = f"{bind_host}:{port}"
         try:
             if options.tls is None:
                 bound = server.add_insecure_port(address)
@@ -266,9 +270,12 @@ class GrpcAgent(RpcAgent):
             raise RpcError(f"worker {self.info.name!r} cannot listen on {address}")
         await server.start()
         self._server = server
-        own_address = f"{options.host}:{bound}"
-        heartbeat_address = self._heartbeat.listen()
+        own_address = f"{own_host}:{bound}"
+        heartbeat_address = self._heartbeat.listen(bind_host, own_host)
+        store = options.torchelastic_store
         if self.info.id == 0:
+            if store is not None:
+                await asyncio.to_thread(_torchelastic_master, store, options, own_address)
             self._register_join(self.info.name, 0, self.world_size, own_address, heartbeat_address)
             try:
                 await asyncio.wait_for(self._all_joined.wait(), options.init_timeout)
@@ -279,7 +286,11 @@ class GrpcAgent(RpcAgent):
                 ) from None
             directory = self._directory()
         else:
-            directory = await self._join(own_address, heartbeat_address)
+            if store is not None:
+                master = await asyncio.to_thread(_torchelastic_master, store, options, None)
+            else:
+                master = f"{options.master_addr}:{options.master_port}"
+            directory = await self._join(master, own_address, heartbeat_address)
         workers = []
         peers = {}
         for entry in directory:
@@ -290,6 +301,16 @@ class GrpcAgent(RpcAgent):
                 peers[name] = worker_heartbeat
         self._heartbeat.start(peers)
         return workers
+
+    def _hosts(self) -> tuple[str, str]:
+        """The host to listen on and the one to advertise to the other workers."""
+        options = self.options
+        if options.host is not None:
+            return options.host, options.host
+        assert options.master_addr is not None
+        if self.info.id == 0:
+            return "0.0.0.0", options.master_addr
+        return "0.0.0.0", _outward_address(options.master_addr)
 
     async def _stop(self) -> None:
         await asyncio.to_thread(self._heartbeat.stop)
@@ -341,9 +362,8 @@ class GrpcAgent(RpcAgent):
     def _directory(self) -> list[list[Any]]:
         return [[name, *joined] for name, joined in self._joined.items()]
 
-    async def _join(self, own_address: str, heartbeat_address: str) -> list[list[Any]]:
+    async def _join(self, master: str, own_address: str, heartbeat_address: str) -> list[list[Any]]:
         options = self.options
-        master = f"{options.master_addr}:{options.master_port}"
         request = msgpack.packb(
             {
                 "name": self.info.name,
@@ -541,8 +561,8 @@ class _Heartbeat:
     def silent_for(self, peer: str, limit: float) -> bool:
         return time.monotonic() - self._last_seen.get(peer, time.monotonic()) > limit
 
-    def listen(self) -> str:
-        """Start the ping server; returns its address."""
+    def listen(self, bind_host: str, own_host: str) -> str:
+        """Start the ping server on ``bind_host``; returns its address for the others."""
         agent, options = self._agent, self._agent.options
         threads = ThreadPoolExecutor(2, thread_name_prefix=f"rpc-heartbeat-{agent.info.name}")
         server = grpc.server(
@@ -554,7 +574,7 @@ class _Heartbeat:
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, {"Heartbeat": handler}),)
         )
-        address = f"{options.host}:0"
+        address = f"{bind_host}:0"
         if options.tls is None:
             bound = server.add_insecure_port(address)
         else:
@@ -563,7 +583,7 @@ class _Heartbeat:
             raise RpcError(f"worker {agent.info.name!r} cannot listen on {address}")
         server.start()
         self._server = server
-        return f"{options.host}:{bound}"
+        return f"{own_host}:{bound}"
 
     def _on_ping(self, request: bytes, context: Any) -> bytes:
         caller, why = self._agent._credentials.check(context.invocation_metadata())
@@ -647,6 +667,43 @@ class _Heartbeat:
         self._channels.clear()
         if self._server is not None:
             self._server.stop(None)
+
+
+def _outward_address(master_addr: str) -> str:
+    # The address of the interface on the route to the master (no packet is sent).
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master_addr, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _torchelastic_master(
+    store_address: tuple[str, int], options: GrpcOptions, publish: str | None
+) -> str:
+    """Publish rank 0's address in torchrun's agent store, or wait for it there."""
+    try:
+        from torch.distributed import TCPStore  # type: ignore[attr-defined,import-not-found,unused-ignore]
+    except ImportError:
+        raise RpcError(
+            "this worker runs under torchrun, whose agent holds MASTER_PORT: finding rank 0 "
+            "needs torch's TCPStore (install torch), or set AIOAUTOGRAD_MASTER_PORT to a free "
+            "port on the master's machine"
+        ) from None
+    host, port = store_address
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"aioautograd/{run}/{restart}/master"
+    timeout = datetime.timedelta(seconds=options.init_timeout)
+    store = TCPStore(host, port, is_master=False, timeout=timeout)
+    try:
+        if publish is not None:
+            store.set(key, publish)
+            return publish
+        return bytes(store.get(key)).decode()
+    except Exception as exc:  # torch's store raises its own error types
+        raise RpcError(f"init_rpc could not find rank 0 through torchrun's store: {exc}") from None
 
 
 def _is_tls_failure(details: str) -> bool:
