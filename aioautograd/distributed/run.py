@@ -15,7 +15,9 @@ with a non-zero code or is killed), the others are terminated (SIGTERM, then SIG
 with 0 when all processes do. Ctrl-C stops them all.
 
 Only local processes are started. For several machines, start each worker with the same
-variables set by hand (the same token, rank 0's address as ``MASTER_ADDR``).
+variables set by hand or by torchrun, SLURM or a Kubernetes job (the same token, rank 0's
+address as ``MASTER_ADDR``; see the README). Output lines longer than 1 MiB are relayed as
+several lines; if the launcher itself fails, it stops every rank before it exits.
 """
 
 from __future__ import annotations
