@@ -159,7 +159,7 @@ class GrpcOptions(RpcBackendOptions):
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     max_message_size: int = 256 << 20
-    max_inflight_bytes: int = 1 << 30
+    max_inflight_bytes: int = 256 << 20
     max_inflight_calls: int = 1024
     max_concurrent_calls: int = 4096
     identity: str = ""
