@@ -34,6 +34,7 @@ credentials with ``UNAUTHENTICATED`` without reading its message. Messages are b
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import datetime
 import hashlib
 import hmac
@@ -500,6 +501,13 @@ class GrpcAgent(RpcAgent):
     async def _send_request(
         self, dst: WorkerInfo, message: wire.Message, seconds: float | None
     ) -> wire.Message:
+        if dst.name == self.info.name:
+            # A call to this worker itself (e.g. a distributed optimizer's local step): no
+            # socket, but copies and a fresh context, as a call from another worker.
+            request = message.snapshot()
+            return await self.loop.create_task(
+                self._serve_snapshot(request), context=contextvars.Context()
+            )
         size = message.nbytes
         if size > self.options.max_message_size:
             raise RpcLimitError(
@@ -520,6 +528,9 @@ class GrpcAgent(RpcAgent):
             self._budget.release(held)
         self._heard_from(dst.name)
         return wire.Message.from_bytes(data)
+
+    async def _serve_snapshot(self, request: wire.Message) -> wire.Message:
+        return (await self.serve(request)).snapshot()
 
     # ------------------------------------------------------------------------ liveness
     def _heard_from(self, peer: str) -> None:
