@@ -197,6 +197,7 @@ async def start_world(
                 del env[key]
         if tls is not None:
             env.update(tls["env"])
+            env.update(tls.get("workers", {}).get(name, {}))
         log = tmp_dir / f"{name}.log"
         world.logs[name] = log
         with log.open("wb") as out:
@@ -235,8 +236,10 @@ def stop_process(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
     os.kill(proc.pid, sig)
 
 
-def make_certificates(directory: Path) -> dict[str, Path]:
-    """A CA and one certificate for localhost/127.0.0.1 (server and client use)."""
+def make_certificates(directory: Path, names: tuple[str, ...] = ()) -> dict[str, Path]:
+    """A CA and one certificate for localhost/127.0.0.1 (server and client use); with
+    ``names``, also one certificate per name (its common name and a DNS name, besides
+    localhost/127.0.0.1): ``paths[f"{name}.cert"]``, ``paths[f"{name}.key"]``."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -273,40 +276,45 @@ def make_certificates(directory: Path) -> dict[str, Path]:
         )
         .sign(ca_key, hashes.SHA256())
     )
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name("localhost"))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .add_extension(
-            x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-            ),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
     pem = serialization.Encoding.PEM
-    paths = {
-        "ca": directory / "ca.pem",
-        "cert": directory / "cert.pem",
-        "key": directory / "key.pem",
-    }
+    paths = {"ca": directory / "ca.pem"}
     paths["ca"].write_bytes(ca_cert.public_bytes(pem))
-    paths["cert"].write_bytes(cert.public_bytes(pem))
-    paths["key"].write_bytes(
-        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
+
+    def issue(common_name: str, prefix: str) -> None:
+        key = ec.generate_private_key(ec.SECP256R1())
+        dns = [x509.DNSName(n) for n in dict.fromkeys([common_name, "localhost"])]
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name(common_name))
+            .issuer_name(ca_cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(
+                x509.SubjectAlternativeName(
+                    [*dns, x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                ),
+                critical=False,
+            )
+            .add_extension(
+                x509.ExtendedKeyUsage(
+                    [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+                ),
+                critical=False,
+            )
+            .sign(ca_key, hashes.SHA256())
+        )
+        paths[f"{prefix}cert"] = directory / f"{prefix}cert.pem"
+        paths[f"{prefix}key"] = directory / f"{prefix}key.pem"
+        paths[f"{prefix}cert"].write_bytes(cert.public_bytes(pem))
+        paths[f"{prefix}key"].write_bytes(
+            key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        )
+
+    issue("localhost", "")
+    for worker in names:
+        issue(worker, f"{worker}.")
     return paths
 
 

@@ -27,7 +27,12 @@ from aioautograd.distributed.rpc import wire
 from aioautograd.distributed.rpc.backends.grpc import worker_token
 from aioautograd.distributed.rpc.registry import name_of
 from tests.distributed import dist_fns, hardening_fns, remote_fns
-from tests.distributed.conftest import FAST_HEARTBEAT, in_fresh_context, start_world
+from tests.distributed.conftest import (
+    FAST_HEARTBEAT,
+    in_fresh_context,
+    make_certificates,
+    start_world,
+)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -280,3 +285,54 @@ async def test_orphaned_contexts_expire_on_a_timer_and_on_death(tmp_path: Path) 
             await world.close()
 
     await in_fresh_context(body)
+
+
+async def test_tls_identity_binds_a_sender_to_its_certificate(tmp_path: Path) -> None:
+    paths = make_certificates(tmp_path, ("driver", "worker1", "worker2"))
+    tls = {
+        "env": {"AIOAUTOGRAD_TLS_CA": str(paths["ca"]), "AIOAUTOGRAD_TLS_MUTUAL": "1"},
+        "config": rpc.TLSConfig.from_files(
+            paths["driver.cert"], paths["driver.key"], paths["ca"], mutual=True
+        ),
+        "workers": {
+            name: {
+                "AIOAUTOGRAD_TLS_CERT": str(paths[f"{name}.cert"]),
+                "AIOAUTOGRAD_TLS_KEY": str(paths[f"{name}.key"]),
+            }
+            for name in ("worker1", "worker2")
+        },
+    }
+    world = await start_world(
+        "grpc", tmp_path, n_workers=2, tls=tls, grpc_options={"identity": "tls"}
+    )
+    try:
+        whoami = name_of(remote_fns.whoami)
+        relayed = await rpc.rpc_async("worker1", remote_fns.relay, args=("worker2", whoami))
+        assert relayed == "worker2"
+        # A client holding worker2's key and the shared token may speak as worker2 only.
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=paths["ca"].read_bytes(),
+            private_key=paths["worker2.key"].read_bytes(),
+            certificate_chain=paths["worker2.cert"].read_bytes(),
+        )
+        assert world.token is not None
+        fields = {"k": wire.REQUEST, "id": 1, "fn": name_of(remote_fns.add)}
+        replies = {}
+        async with grpc.aio.secure_channel(world.address("worker1"), credentials) as channel:
+            call = channel.unary_unary("/aioautograd.rpc.Agent/Call")
+            for src in ("driver", "worker2"):
+                data = wire.encode({**fields, "src": src}, [[1, 2], {}])[0].to_bytes()
+                metadata = (("aioautograd-token", world.token), ("aioautograd-worker", src))
+                try:
+                    await call(data, metadata=metadata, timeout=10)
+                    replies[src] = "OK"
+                except grpc.aio.AioRpcError as exc:
+                    replies[src] = f"{exc.code().name} {exc.details()}"
+        assert replies["worker2"] == "OK"
+        assert replies["driver"].startswith("PERMISSION_DENIED"), replies
+        assert "'localhost', 'worker2'], not worker 'driver'" in replies["driver"]
+        assert await world.close() == {"worker1": 0, "worker2": 0}
+    finally:
+        world.kill_all()
+    with pytest.raises(ValueError, match="identity='tls' needs mutual TLS"):
+        rpc.GrpcOptions(master_port=1, token="t", identity="tls").resolved()

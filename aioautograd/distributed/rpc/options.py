@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_RPC_TIMEOUT = 60.0
-IDENTITY_MODES = ("shared", "token")
+IDENTITY_MODES = ("shared", "token", "tls")
 
 
 @dataclass
@@ -144,8 +144,12 @@ class GrpcOptions(RpcBackendOptions):
             holder of it may speak as any worker. ``"token"``: each worker carries its own
             token, ``HMAC-SHA256(shared token, worker name)``, and a request is refused unless
             its sender (the ``src`` of the message, the name that joins) is the worker the
-            token belongs to. Every worker must use the same mode. Default:
-            ``AIOAUTOGRAD_RPC_IDENTITY``, else ``"shared"``.
+            token belongs to. ``"tls"``: mutual TLS, and the sender must be named by its
+            certificate (common name or a DNS subject alternative name); the strongest mode,
+            as no worker holds another's private key (with ``"token"``, every worker holds
+            the shared secret, so a compromised worker can still mint any name's token).
+            Every worker must use the same mode. Default: ``AIOAUTOGRAD_RPC_IDENTITY``, else
+            ``"shared"``.
         torchelastic_store: ``(host, port)`` of torchrun's agent store, through which the
             workers find rank 0 (set from the environment under torchrun; needs torch).
     """
@@ -218,6 +222,13 @@ class GrpcOptions(RpcBackendOptions):
             raise ValueError(
                 f"GrpcOptions.identity must be one of {IDENTITY_MODES}, got {identity!r}"
             )
+        tls = self.tls if self.tls is not None else TLSConfig.from_env()
+        if identity == "tls" and (tls is None or not tls.mutual):
+            raise ValueError(
+                "identity='tls' needs mutual TLS (TLSConfig(mutual=True) or "
+                "AIOAUTOGRAD_TLS_MUTUAL=1), with each worker's certificate naming the worker "
+                "(common name or a DNS subject alternative name)"
+            )
         host = self.host or env.get("AIOAUTOGRAD_HOST") or None
         if host is None and is_loopback(master_addr):
             host = master_addr
@@ -228,7 +239,7 @@ class GrpcOptions(RpcBackendOptions):
             host=host,
             token=token,
             identity=identity,
-            tls=self.tls if self.tls is not None else TLSConfig.from_env(),
+            tls=tls,
             torchelastic_store=store,
         )
 

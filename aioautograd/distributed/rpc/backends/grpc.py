@@ -22,10 +22,13 @@ One generic service (bytes in, bytes out; no protoc) with three unary methods:
 Credentials are checked before a request body is read: a server interceptor looks at the
 call metadata (``aioautograd-token``, compared in constant time; with ``identity="token"``
 also ``aioautograd-worker``, the name the token belongs to) and refuses a call without valid
-credentials with ``UNAUTHENTICATED`` without reading its message. Messages are bounded by
-``max_message_size`` on both sides (gRPC refuses a larger one from its length prefix);
-``max_concurrent_calls`` bounds the calls served at once and ``max_inflight_calls`` /
-``max_inflight_bytes`` the calls a worker sends at once (further ones wait). With
+credentials with ``UNAUTHENTICATED`` without reading its message. With ``identity="token"``
+or ``"tls"`` (mutual TLS, each worker's certificate naming it), a request whose sender or a
+join whose name is not the authenticated worker is refused with ``PERMISSION_DENIED``.
+Messages are bounded by ``max_message_size`` on both sides (gRPC refuses a larger one from
+its length prefix); ``max_concurrent_calls`` bounds the calls served at once and
+``max_inflight_calls`` / ``max_inflight_bytes`` the calls a worker sends at once (further
+ones wait). With
 :class:`~aioautograd.distributed.rpc.options.TLSConfig` the servers and the channels use TLS
 (``mutual=True`` makes servers require client certificates). Malformed requests get
 ``INVALID_ARGUMENT``; the server keeps serving.
@@ -432,18 +435,37 @@ class GrpcAgent(RpcAgent):
         await context.abort(code, details)
         raise AssertionError("unreachable: abort raises")
 
+    def _identity_refusal(self, context: Any, claimed: str) -> str | None:
+        """Why the caller may not speak as worker ``claimed`` (``None``: it may)."""
+        mode = self.options.identity
+        if mode == "shared":
+            return None
+        if mode == "token":
+            caller = self._caller(context)
+            if caller == claimed:
+                return None
+            return f"the credentials of worker {caller!r} cannot speak as {claimed!r} ({mode=})"
+        names = _certificate_names(context)
+        if claimed in names:
+            return None
+        return (
+            f"the caller's TLS certificate names {sorted(names)}, not worker {claimed!r} "
+            f"({mode=}: each worker's certificate must name it)"
+        )
+
     async def _on_call(self, request: bytes, context: Any) -> bytes:
         try:
             message = wire.Message.from_bytes(request)
             caller = self._caller(context)
-            if self.options.identity == "token":
+            if self.options.identity != "shared":
                 src = wire.decode_header(message).src
-                if src != caller:
+                refusal = self._identity_refusal(context, src)
+                if refusal is not None:
                     await self._abort(
                         context,
                         grpc.StatusCode.PERMISSION_DENIED,
-                        f"worker {self.info.name!r} refused a request from {caller!r} that "
-                        f"claims to come from {src!r} (identity='token')",
+                        f"worker {self.info.name!r} refused a request that claims to come from "
+                        f"{src!r}: {refusal}",
                     )
             if caller is not None:
                 self._heard_from(caller)
@@ -464,12 +486,10 @@ class GrpcAgent(RpcAgent):
             await self._abort(
                 context, grpc.StatusCode.INVALID_ARGUMENT, f"malformed join request: {exc}"
             )
-        caller = self._caller(context)
-        if self.options.identity == "token" and caller != name:
+        refusal = self._identity_refusal(context, name)
+        if refusal is not None:
             await self._abort(
-                context,
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"the credentials of worker {caller!r} cannot join as {name!r}",
+                context, grpc.StatusCode.PERMISSION_DENIED, f"cannot join as {name!r}: {refusal}"
             )
         refusal = self._register_join(name, rank, world_size, address, heartbeat)
         if refusal is not None:
@@ -604,6 +624,11 @@ class _Heartbeat:
                 f"worker {self._agent.info.name!r} refused the call: {why}",
             )
         if caller is not None:
+            if self._agent.options.identity == "tls" and caller not in _certificate_names(context):
+                context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"the caller's TLS certificate does not name worker {caller!r}",
+                )
             self.seen(caller)
         return b""
 
@@ -678,6 +703,16 @@ class _Heartbeat:
         self._channels.clear()
         if self._server is not None:
             self._server.stop(None)
+
+
+def _certificate_names(context: Any) -> set[str]:
+    # The names in the peer's verified certificate (common name and subject alt. names).
+    auth = context.auth_context() or {}
+    names = set()
+    for key in ("x509_common_name", "x509_subject_alternative_name"):
+        for value in auth.get(key, ()):
+            names.add(value.decode() if isinstance(value, bytes) else str(value))
+    return names
 
 
 def _outward_address(master_addr: str) -> str:
