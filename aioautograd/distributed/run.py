@@ -17,7 +17,8 @@ with 0 when all processes do. Ctrl-C stops them all.
 Only local processes are started. For several machines, start each worker with the same
 variables set by hand or by torchrun, SLURM or a Kubernetes job (the same token, rank 0's
 address as ``MASTER_ADDR``; see the README). Output lines longer than 1 MiB are relayed as
-several lines; if the launcher itself fails, it stops every rank before it exits.
+several lines; if the launcher itself fails, it stops every rank before it exits, and on
+Linux a rank is killed by the kernel if the launcher dies without a chance to (SIGKILL).
 """
 
 from __future__ import annotations
@@ -25,14 +26,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import os
 import secrets
 import signal
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import BinaryIO
 
+_PR_SET_PDEATHSIG = 1
 _LINE_PIECE = 1 << 20  # longer output lines are relayed as several lines of this size
 
 
@@ -97,6 +100,7 @@ class _Launcher:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
         failure = 0
+        die_with_parent = _die_with_parent_hook()
         try:
             async with asyncio.TaskGroup() as group:
                 for rank in range(args.nproc):
@@ -107,6 +111,7 @@ class _Launcher:
                         stdout=asyncio.subprocess.PIPE,
                         stderr=asyncio.subprocess.PIPE,
                         start_new_session=True,  # so that stopping reaches its children too
+                        preexec_fn=die_with_parent,
                     )
                     self.procs.append(proc)
                     assert proc.stdout is not None
@@ -159,6 +164,25 @@ class _Launcher:
 
 async def _exit_of(rank: int, proc: asyncio.subprocess.Process) -> tuple[int, int]:
     return rank, await proc.wait()
+
+
+def _die_with_parent_hook() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the kernel kill the child if the launcher dies (Linux),
+    even by SIGKILL, which no handler sees: no rank outlives its supervisor."""
+    if sys.platform != "linux":
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded here, not in the child
+    except (OSError, AttributeError):
+        return None
+    launcher = os.getpid()
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        if os.getppid() != launcher:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return hook
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

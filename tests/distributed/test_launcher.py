@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,9 @@ SCRIPT = textwrap.dedent(
             if rank == 1:
                 sys.exit(3)
             time.sleep(60)  # must be stopped by the launcher
+        if sys.argv[1:] == ["pid"]:
+            print("pid", os.getpid(), flush=True)
+            time.sleep(60)  # until the kernel kills it with the launcher
         if sys.argv[1:] == ["long"]:
             sys.stdout.write("x" * (17 << 20))  # one 17 MB line, no newline at the end
             sys.stdout.flush()
@@ -82,3 +88,44 @@ def test_launcher_relays_lines_of_any_length(tmp_path: Path) -> None:
     for rank in (0, 1):
         for text in ("line", "y" * 100_000, "last"):  # text mode reads \r\n as \n
             assert f"[rank {rank}] {text}" in done.stderr.split("\n")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_ranks_die_with_a_killed_launcher(tmp_path: Path) -> None:
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    command = [sys.executable, "-m", "aioautograd.distributed.run", "--nproc", "2"]
+    launcher = subprocess.Popen(
+        [*command, str(script), "pid"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert launcher.stdout is not None
+        pids = [int(launcher.stdout.readline().split()[-1]) for _ in range(2)]
+        launcher.kill()  # no handler runs: only the kernel can stop the ranks now
+        launcher.wait(10)
+        deadline = time.monotonic() + 10
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            alive = [pid for pid in pids if _alive(pid)]
+            time.sleep(0.05)
+        assert alive == []
+    finally:
+        launcher.kill()
+        launcher.wait(10)
+        if launcher.stdout is not None:
+            launcher.stdout.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (dead, not yet reaped by init) counts as dead
+    with contextlib.suppress(FileNotFoundError):
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    return False
