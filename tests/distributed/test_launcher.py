@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -102,6 +103,7 @@ def test_ranks_die_with_a_killed_launcher(tmp_path: Path) -> None:
         stderr=subprocess.DEVNULL,
         text=True,
     )
+    pids: list[int] = []
     try:
         assert launcher.stdout is not None
         pids = [int(launcher.stdout.readline().split()[-1]) for _ in range(2)]
@@ -118,6 +120,9 @@ def test_ranks_die_with_a_killed_launcher(tmp_path: Path) -> None:
         launcher.wait(10)
         if launcher.stdout is not None:
             launcher.stdout.close()
+        for pid in pids:  # if the test failed: leave nothing behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
