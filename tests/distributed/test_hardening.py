@@ -24,7 +24,7 @@ from aioautograd.distributed import autograd as dist_autograd
 from aioautograd.distributed import rpc
 from aioautograd.distributed.autograd.dist_engine import container_of
 from aioautograd.distributed.rpc import wire
-from aioautograd.distributed.rpc.backends.grpc import worker_token
+from aioautograd.distributed.rpc.backends.grpc import _Budget, worker_token
 from aioautograd.distributed.rpc.registry import name_of
 from tests.distributed import dist_fns, hardening_fns, remote_fns
 from tests.distributed.conftest import (
@@ -336,3 +336,33 @@ async def test_tls_identity_binds_a_sender_to_its_certificate(tmp_path: Path) ->
         world.kill_all()
     with pytest.raises(ValueError, match="identity='tls' needs mutual TLS"):
         rpc.GrpcOptions(master_port=1, token="t", identity="tls").resolved()
+
+
+async def test_the_budget_serves_waiting_calls_in_order_without_leaks() -> None:
+    budget = _Budget(calls=2, nbytes=10)
+    assert await budget.acquire(6) == 6
+    second = asyncio.ensure_future(budget.acquire(6))
+    third = asyncio.ensure_future(budget.acquire(1))  # fits, but waits behind the second
+    huge = asyncio.ensure_future(budget.acquire(1000))  # over the whole budget: goes alone
+    await asyncio.sleep(0)
+    assert [second.done(), third.done(), huge.done()] == [False, False, False]
+    budget.release(6)
+    await asyncio.sleep(0)
+    assert second.done()
+    assert third.done()
+    assert (budget.used_calls, budget.used_bytes) == (2, 7)
+    huge.cancel()  # a caller that gives up while waiting leaves nothing behind
+    late = asyncio.ensure_future(budget.acquire(3))
+    await asyncio.sleep(0)
+    assert not late.done()  # 2 calls in flight already
+    budget.release(6)
+    await asyncio.sleep(0)
+    assert late.done()
+    budget.release(1)
+    budget.release(3)
+    assert (budget.used_calls, budget.used_bytes, budget.peak_bytes) == (0, 0, 7)
+    with pytest.raises(asyncio.CancelledError):
+        await huge
+    assert await budget.acquire(1000) == 10  # alone now
+    budget.release(10)
+    assert (budget.used_calls, budget.used_bytes) == (0, 0)

@@ -37,6 +37,8 @@ ones wait). With
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import contextvars
 import datetime
 import hashlib
@@ -137,8 +139,8 @@ class _Credentials:
         if self.identity == "token":
             return None, (
                 f"invalid or missing RPC token for worker {worker!r} (identity='token': metadata "
-                f"{TOKEN_KEY!r} must be HMAC-SHA256(AIOAUTOGRAD_RPC_TOKEN, {WORKER_KEY!r}); "
-                "every worker needs the same secret and identity mode)"
+                f"{TOKEN_KEY!r} must be HMAC-SHA256(AIOAUTOGRAD_RPC_TOKEN, the worker name in "
+                f"{WORKER_KEY!r}); every worker needs the same secret and identity mode)"
             )
         return None, (
             f"invalid or missing RPC token (metadata {TOKEN_KEY!r}; every worker needs the "
@@ -172,39 +174,58 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 
 class _Budget:
-    """Calls and bytes a worker has in flight; a call that would exceed either waits."""
+    """Calls and bytes a worker has in flight; a call that would exceed either waits.
+
+    Waiting calls are served in order, and a release wakes only the calls it makes room for
+    (waking every waiter on every release costs quadratic time under thousands of calls).
+    """
 
     def __init__(self, calls: int, nbytes: int) -> None:
         self.calls, self.nbytes = calls, nbytes
         self.used_calls = self.used_bytes = self.peak_bytes = 0
-        self._waiters: list[asyncio.Future[None]] = []
+        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
 
     def _fits(self, nbytes: int) -> bool:
         return self.used_calls < self.calls and self.used_bytes + nbytes <= self.nbytes
 
-    async def acquire(self, nbytes: int) -> int:
-        """Wait for room for one call of ``nbytes``; returns what :meth:`release` takes."""
-        nbytes = min(nbytes, self.nbytes)  # a message over the whole budget goes alone
-        while not self._fits(nbytes):
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter
-            finally:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
+    def _take(self, nbytes: int) -> None:
         self.used_calls += 1
         self.used_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+
+    async def acquire(self, nbytes: int) -> int:
+        """Wait for room for one call of ``nbytes``; returns what :meth:`release` takes."""
+        nbytes = min(nbytes, self.nbytes)  # a message over the whole budget goes alone
+        if not self._waiters and self._fits(nbytes):
+            self._take(nbytes)
+            return nbytes
+        waiter = asyncio.get_running_loop().create_future()
+        entry = (nbytes, waiter)
+        self._waiters.append(entry)
+        try:
+            await waiter  # _grant has taken the room for us
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release(nbytes)  # granted, but our caller gave up meanwhile
+            else:
+                with contextlib.suppress(ValueError):  # _grant may have dropped it already
+                    self._waiters.remove(entry)
+                self._grant()  # we may have been the head that blocked the others
+            raise
         return nbytes
 
     def release(self, nbytes: int) -> None:
         self.used_calls -= 1
         self.used_bytes -= nbytes
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiters and self._fits(self._waiters[0][0]):
+            nbytes, waiter = self._waiters.popleft()
+            if waiter.done():
+                continue
+            self._take(nbytes)
+            waiter.set_result(None)
 
 
 class GrpcAgent(RpcAgent):
