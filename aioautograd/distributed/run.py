@@ -19,7 +19,10 @@ with a non-zero code or is killed), the others are terminated (SIGTERM, then SIG
 with 0 when all processes do. Ctrl-C stops them all.
 
 Only local processes are started. For several machines, start each worker with the same
-variables set by hand (the same token, rank 0's address as ``MASTER_ADDR``).
+variables set by hand or by torchrun, SLURM or a Kubernetes job (the same token, rank 0's
+address as ``MASTER_ADDR``; see the README). Output lines longer than 1 MiB are relayed as
+several lines; if the launcher itself fails, it stops every rank before it exits, and on
+Linux a rank is killed by the kernel if the launcher dies without a chance to (SIGKILL).
 """
 
 from __future__ import annotations
@@ -27,16 +30,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import importlib.util
 import os
 import secrets
 import signal
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import BinaryIO
 
-_LINE_LIMIT = 1 << 24  # longest output line relayed (bytes)
+_PR_SET_PDEATHSIG = 1
+_LINE_PIECE = 1 << 20  # longer output lines are relayed as several lines of this size
 
 
 def _free_port(host: str) -> int:
@@ -118,6 +123,7 @@ class _Launcher:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
         failure = 0
+        die_with_parent = _die_with_parent_hook()
         try:
             async with asyncio.TaskGroup() as group:
                 for rank in range(args.nproc):
@@ -128,7 +134,7 @@ class _Launcher:
                         stdout=asyncio.subprocess.PIPE,
                         stderr=asyncio.subprocess.PIPE,
                         start_new_session=True,  # so that stopping reaches its children too
-                        limit=_LINE_LIMIT,
+                        preexec_fn=die_with_parent,
                     )
                     self.procs.append(proc)
                     assert proc.stdout is not None
@@ -142,6 +148,11 @@ class _Launcher:
                         failure = code if code > 0 else 128 - code  # killed by signal -code
                         self._say(f"rank {rank} exited with code {code}; stopping the others")
                         group.create_task(self._stop_all())
+        except BaseException:
+            # Whatever went wrong here, no rank is left running without its supervisor.
+            self._say("the launcher failed; stopping all processes")
+            await asyncio.shield(self._stop_all(force=True))
+            raise
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
@@ -153,8 +164,8 @@ class _Launcher:
         self.signal_tasks.add(task)
         task.add_done_callback(self.signal_tasks.discard)
 
-    async def _stop_all(self) -> None:
-        if self.stopping:
+    async def _stop_all(self, force: bool = False) -> None:
+        if self.stopping and not force:
             return
         self.stopping = True
         running = [p for p in self.procs if p.returncode is None]
@@ -178,16 +189,55 @@ async def _exit_of(rank: int, proc: asyncio.subprocess.Process) -> tuple[int, in
     return rank, await proc.wait()
 
 
+def _die_with_parent_hook() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the kernel kill the child if the launcher dies (Linux),
+    even by SIGKILL, which no handler sees: no rank outlives its supervisor."""
+    if sys.platform != "linux":
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded here, not in the child
+    except (OSError, AttributeError):
+        return None
+    launcher = os.getpid()
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        if os.getppid() != launcher:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return hook
+
+
 def _signal_group(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
 
 
 async def _pump(stream: asyncio.StreamReader, out: BinaryIO, rank: int) -> None:
+    # Chunks, not readline() (which raises on a line over its limit): every relayed line gets
+    # the prefix and is written whole; a line longer than _LINE_PIECE is relayed as several
+    # lines of at most that size, so memory stays bounded whatever a rank prints.
     prefix = f"[rank {rank}] ".encode()
-    while line := await stream.readline():
-        out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+    pending = b""
+    while chunk := await stream.read(_LINE_PIECE):
+        data = pending + chunk
+        lines = data.split(b"\n")
+        pending = lines.pop()
+        while len(pending) >= _LINE_PIECE:
+            lines.append(pending[:_LINE_PIECE])
+            pending = pending[_LINE_PIECE:]
+        if lines:
+            _write(out, b"".join(prefix + line + b"\n" for line in lines))
+    if pending:
+        _write(out, prefix + pending + b"\n")
+
+
+def _write(out: BinaryIO, data: bytes) -> None:
+    try:
+        out.write(data)
         out.flush()
+    except (OSError, ValueError):
+        pass  # our own output is gone (a closed pipe): keep draining, keep supervising
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,6 +12,7 @@ import asyncio
 import contextvars
 import datetime
 import ipaddress
+import json
 import os
 import secrets
 import signal
@@ -159,11 +160,13 @@ async def start_world(
     heartbeat: tuple[float, float] = HEARTBEAT,
     rpc_timeout: float = 30.0,
     hold_shutdown: bool = False,
+    grpc_options: dict[str, Any] | None = None,
 ) -> World:
     """Start a world of a driver (this task) and ``n_workers`` workers.
 
     With ``hold_shutdown``, each worker calls ``shutdown`` only once the driver calls
     ``semantic_fns.open_shutdown_gate`` on it (by default, at once after ``init_rpc``).
+    ``grpc_options``: more :class:`GrpcOptions` fields, for the driver and every worker.
     """
     world_size = n_workers + 1
     names = [f"worker{rank}" for rank in range(1, world_size)]
@@ -196,12 +199,14 @@ async def start_world(
             TEST_WORKER_NAME=name,
             TEST_HEARTBEAT=",".join(map(str, heartbeat)),
             TEST_HOLD_SHUTDOWN="1" if hold_shutdown else "",
+            TEST_GRPC_OPTIONS=json.dumps(grpc_options or {}),
         )
         for key in list(env):
             if key.startswith("AIOAUTOGRAD_TLS_"):
                 del env[key]
         if tls is not None:
             env.update(tls["env"])
+            env.update(tls.get("workers", {}).get(name, {}))
         log = tmp_dir / f"{name}.log"
         world.logs[name] = log
         with log.open("wb") as out:
@@ -224,6 +229,7 @@ async def start_world(
         init_timeout=30,
         shutdown_timeout=20,
         rpc_timeout=rpc_timeout,
+        **(grpc_options or {}),
     )
     try:
         world.driver = await rpc.init_rpc("driver", 0, world_size, "grpc", options=options)
@@ -239,8 +245,10 @@ def stop_process(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
     os.kill(proc.pid, sig)
 
 
-def make_certificates(directory: Path) -> dict[str, Path]:
-    """A CA and one certificate for localhost/127.0.0.1 (server and client use)."""
+def make_certificates(directory: Path, names: tuple[str, ...] = ()) -> dict[str, Path]:
+    """A CA and one certificate for localhost/127.0.0.1 (server and client use); with
+    ``names``, also one certificate per name (its common name and a DNS name, besides
+    localhost/127.0.0.1): ``paths[f"{name}.cert"]``, ``paths[f"{name}.key"]``."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -277,40 +285,45 @@ def make_certificates(directory: Path) -> dict[str, Path]:
         )
         .sign(ca_key, hashes.SHA256())
     )
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name("localhost"))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .add_extension(
-            x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-            ),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
     pem = serialization.Encoding.PEM
-    paths = {
-        "ca": directory / "ca.pem",
-        "cert": directory / "cert.pem",
-        "key": directory / "key.pem",
-    }
+    paths = {"ca": directory / "ca.pem"}
     paths["ca"].write_bytes(ca_cert.public_bytes(pem))
-    paths["cert"].write_bytes(cert.public_bytes(pem))
-    paths["key"].write_bytes(
-        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
+
+    def issue(common_name: str, prefix: str) -> None:
+        key = ec.generate_private_key(ec.SECP256R1())
+        dns = [x509.DNSName(n) for n in dict.fromkeys([common_name, "localhost"])]
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name(common_name))
+            .issuer_name(ca_cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(
+                x509.SubjectAlternativeName(
+                    [*dns, x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                ),
+                critical=False,
+            )
+            .add_extension(
+                x509.ExtendedKeyUsage(
+                    [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+                ),
+                critical=False,
+            )
+            .sign(ca_key, hashes.SHA256())
+        )
+        paths[f"{prefix}cert"] = directory / f"{prefix}cert.pem"
+        paths[f"{prefix}key"] = directory / f"{prefix}key.pem"
+        paths[f"{prefix}cert"].write_bytes(cert.public_bytes(pem))
+        paths[f"{prefix}key"].write_bytes(
+            key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        )
+
+    issue("localhost", "")
+    for worker in names:
+        issue(worker, f"{worker}.")
     return paths
 
 

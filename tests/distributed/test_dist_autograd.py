@@ -371,8 +371,12 @@ async def _test_a_dead_worker_fails_backward_within_the_heartbeat_timeout(tmp_pa
             if "worker2" in world.driver.dead_workers:
                 break
             await asyncio.sleep(0.05)
+        # ... but says that the world lost a worker (worker1 does not: for it, worker2 had
+        # reached its shutdown already)
+        with pytest.raises(rpc.WorkerUnavailableError, match=r"lost workers \['worker2'\]"):
+            await asyncio.wait_for(world.driver.shutdown(), 30)
         codes = await world.close()
-        assert codes["worker1"] == 0
+        assert codes["worker1"] == 0, world.log("worker1")
     finally:
         world.kill_all()
 

@@ -119,7 +119,9 @@ async def test_dead_and_silent_workers_are_detected(tmp_path: Path) -> None:
         assert agent.dead_workers["worker2"] == "no heartbeat for 1 s"
         with pytest.raises(rpc.WorkerUnavailableError, match="is dead"):
             await rpc.rpc_async("worker2", remote_fns.add, args=(1, 2))
-        await world.driver.shutdown()  # graceful: does not wait for dead workers
+        # graceful: does not wait for dead workers, and says the world lost them
+        with pytest.raises(rpc.WorkerUnavailableError, match=r"lost workers \['worker1', 'w"):
+            await asyncio.wait_for(world.driver.shutdown(), 30)
     finally:
         world.kill_all()
         await world.close()

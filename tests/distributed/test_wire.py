@@ -204,3 +204,22 @@ def test_an_unavailable_device_is_a_clear_error() -> None:
     header.table[0][3] = "cuda:999"
     with pytest.raises(rpc.RpcError, match="cannot receive an array on cuda:999"):
         wire.decode_payload(header, message)
+
+
+def test_what_a_message_may_declare_is_bounded() -> None:
+    # Many empty buffers: refused from the framing prefix, before any view is made.
+    many = wire.Message(msgpack.packb(BASE), [b""] * (wire.MAX_BUFFERS + 1)).to_bytes()
+    with pytest.raises(rpc.MalformedMessageError, match=f"at most {wire.MAX_BUFFERS}"):
+        _decode(many)
+    with pytest.raises(TypeError, match="stack them into fewer tensors"):
+        wire.encode(FIELDS, [np.zeros(0) for _ in range(wire.MAX_BUFFERS + 1)])
+    # Many entries (a huge kwargs dict, or many lists that are each small enough).
+    kwargs = {f"k{i}": None for i in range(wire.MAX_ITEMS + 1)}
+    for payload in ([[], kwargs], [[[0] * 1000] * (wire.MAX_ITEMS // 1000 + 1), {}]):
+        with pytest.raises(rpc.MalformedMessageError, match="list, tuple and dict entries"):
+            _decode(_with_header({**BASE, "p": msgpack.packb(payload)}))
+    tuples = msgpack.packb([msgpack.ExtType(wire.EXT_TUPLE, msgpack.packb([1] * 1000))] * 300)
+    with pytest.raises(rpc.MalformedMessageError, match="list, tuple and dict entries"):
+        _decode(_with_header({**BASE, "p": tuples}))
+    # Just under the bounds still travels.
+    assert round_trip([[0] * (wire.MAX_ITEMS - 10), {}]) == [[0] * (wire.MAX_ITEMS - 10), {}]

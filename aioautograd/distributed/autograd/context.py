@@ -10,6 +10,7 @@ share a process).
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import itertools
 import threading
@@ -39,6 +40,8 @@ _ID_BITS = 48  # context and message ids: (worker id << 48) | a per-worker count
 MAX_COUNTER = (1 << _ID_BITS) - 1
 
 DEFAULT_CONTEXT_TTL = 1800.0  # seconds an orphaned (never released) context survives
+_MAX_SWEEP_S = 10.0  # orphaned contexts are looked for at least this often
+_CREATOR_SHIFT = _ID_BITS  # a context id is (creator's worker id << 48) | counter
 
 
 class DistAutogradContext:
@@ -153,7 +156,9 @@ class DistAutogradContainer:
 
     def __init__(self, agent: RpcAgent) -> None:
         self.agent = agent
-        self.ttl = DEFAULT_CONTEXT_TTL
+        self._ttl = DEFAULT_CONTEXT_TTL
+        self._timer: asyncio.TimerHandle | None = None
+        self._dead_creators: set[int] = set()
         self._contexts: dict[int, DistAutogradContext] = {}
         self._owned: set[int] = set()  # contexts created here (released by ``context()``)
         self._lock = threading.Lock()
@@ -186,6 +191,42 @@ class DistAutogradContainer:
     @property
     def worker_name(self) -> str:
         return self.agent.info.name
+
+    @property
+    def ttl(self) -> float:
+        """Seconds an idle context created elsewhere survives without being released."""
+        return self._ttl
+
+    @ttl.setter
+    def ttl(self, seconds: float) -> None:
+        self._ttl = seconds
+        if self._timer is not None and not self.agent.loop.is_closed():
+            self.agent.loop.call_soon_threadsafe(self._schedule)  # the new TTL's pace
+
+    def start_expiry(self) -> None:
+        """Look for orphaned contexts on a timer of the agent's loop (call on that loop)."""
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.agent.is_shut_down:
+            self._timer = None
+            return
+        delay = min(max(self._ttl / 4, 0.01), _MAX_SWEEP_S)
+        self._timer = self.agent.loop.call_later(delay, self._sweep)
+
+    def _sweep(self) -> None:
+        with self._lock:
+            self._expire()
+        self._schedule()
+
+    def creator_died(self, worker_id: int) -> None:
+        """Drop the contexts that worker ``worker_id`` created (it can never release them);
+        one in a backward pass goes once the pass ends."""
+        with self._lock:
+            self._dead_creators.add(worker_id)
+            self._expire()
 
     def new_context(self) -> DistAutogradContext:
         """A context with an id unique across workers: ``(worker id << 48) | counter``."""
@@ -244,12 +285,16 @@ class DistAutogradContainer:
 
     def _expire(self) -> None:
         # Called with the lock held: drop contexts of other workers idle for longer than the
-        # TTL (their creator died, or its release never arrived).
+        # TTL (their creator died, or its release never arrived), and at once those of
+        # creators known to be dead.
         now = time.monotonic()
+        dead = self._dead_creators
         expired = [
             cid
             for cid, ctx in self._contexts.items()
-            if cid not in self._owned and not ctx.active_passes and now - ctx.last_used > self.ttl
+            if cid not in self._owned
+            and not ctx.active_passes
+            and (now - ctx.last_used > self._ttl or (cid >> _CREATOR_SHIFT) in dead)
         ]
         for cid in expired:
             self._contexts.pop(cid).release()

@@ -69,6 +69,7 @@ class DistAutogradInterceptor(RpcInterceptor):
     def __init__(self, agent: RpcAgent) -> None:
         self.agent = agent
         self.container = DistAutogradContainer(agent)
+        self.container.start_expiry()
 
     def _context(self) -> DistAutogradContext | None:
         context = task_context()
@@ -112,6 +113,9 @@ class DistAutogradInterceptor(RpcInterceptor):
         # After the shutdown barrier: peers may run backward passes through this worker's
         # contexts until every worker has reached shutdown.
         self.container.clear()
+
+    def on_worker_dead(self, worker: WorkerInfo) -> None:
+        self.container.creator_died(worker.id)
 
 
 def _install(agent: RpcAgent) -> DistAutogradInterceptor:

@@ -77,6 +77,7 @@ from aioautograd.distributed.rpc.errors import (
     RemoteError,
     RpcAuthenticationError,
     RpcError,
+    RpcLimitError,
     RpcTimeoutError,
     WorkerUnavailableError,
 )
@@ -98,6 +99,7 @@ from aioautograd.distributed.rpc.worker import WorkerInfo
 
 __all__ = [
     "FunctionNotRegisteredError",
+    "RpcLimitError",
     "GrpcOptions",
     "LocalOptions",
     "MalformedMessageError",

@@ -28,7 +28,6 @@ import logging
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -50,6 +49,7 @@ from aioautograd.distributed.rpc.interceptors import (
     _interceptor_factories,
 )
 from aioautograd.distributed.rpc.options import RpcBackendOptions
+from aioautograd.distributed.rpc.pool import WorkerPool
 from aioautograd.distributed.rpc.registry import INTERNAL_PREFIX, FunctionPolicy, name_of
 from aioautograd.distributed.rpc.rref import RRef, RRefContext, _retrieve
 from aioautograd.distributed.rpc.worker import WorkerInfo, _current_agent, _live_agents
@@ -115,9 +115,7 @@ class RpcAgent(ABC):
         self._ready_from: set[str] = set()
         self._closing = False  # this worker has entered the shutdown barrier
         self._barrier_changed = asyncio.Event()
-        self._pool = ThreadPoolExecutor(
-            max_workers=options.num_worker_threads, thread_name_prefix=f"rpc-{name}"
-        )
+        self._pool = WorkerPool(options.num_worker_threads, f"rpc-{name}")
         self.rrefs = RRefContext(self)
         self._internal: dict[str, Callable[..., Any]] = {
             f"{INTERNAL_PREFIX}rref_fetch": self.rrefs.fetch,
@@ -182,10 +180,15 @@ class RpcAgent(ABC):
         logger.log(level, "RPC worker %r marks worker %r dead: %s", self.info.name, name, reason)
         for task in self._inflight.get(name, ()):
             task.cancel()
+        self._barrier_changed.set()
         worker = self._workers.get(name)
         if worker is not None:
             self.rrefs.creator_lost(worker, reason)
-        self._barrier_changed.set()
+            for interceptor in list(self._interceptors.values()):
+                try:
+                    interceptor.on_worker_dead(worker)
+                except Exception:
+                    logger.exception("an RPC interceptor failed on the death of %r", name)
 
     async def shutdown(self, graceful: bool = True) -> None:
         """Stop this worker (see :func:`~aioautograd.distributed.rpc.shutdown`)."""
@@ -258,7 +261,7 @@ class RpcAgent(ABC):
         for interceptor in list(self._interceptors.values()):
             interceptor.on_stop()
         await self._stop()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
         self.rrefs.owned.clear()
         # The calling task keeps this (stopped) agent as its worker: its later RPC calls
         # fail with "not initialised" instead of borrowing another worker's identity.
@@ -595,7 +598,12 @@ class RpcAgent(ABC):
             return await fn(*args, **kwargs)
         context = contextvars.copy_context()
         call = functools.partial(context.run, fn, *args, **kwargs)
-        result = await self.loop.run_in_executor(self._pool, call)
+        future = self._pool.submit(call)
+        try:
+            result = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self._pool.abandon(future)  # a timeout: its thread no longer counts
+            raise
         if inspect.isawaitable(result):
             result = await result
         return result

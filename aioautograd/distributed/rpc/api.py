@@ -16,17 +16,26 @@ from aioautograd.distributed.rpc.worker import WorkerInfo, _current_agent, curre
 WorkerRef = str | int | WorkerInfo
 
 
-def _env_int(value: int | None, variable: str, what: str) -> int:
+def _env_int(value: int | None, variables: tuple[str, ...], what: str) -> int:
     if value is not None:
         return value
-    env = os.environ.get(variable)
-    if env is None:
-        raise ValueError(
-            f"{what} not given and {variable} is not set: pass {what}=, or start the script "
-            "with the launcher, which sets it: python -m aioautograd.distributed.run --nproc N "
-            "script.py (or -m package.module)"
-        )
-    return int(env)
+    for variable in variables:
+        env = os.environ.get(variable)
+        if env is not None:
+            return int(env)
+    raise ValueError(
+        f"{what} not given and none of {', '.join(variables)} is set: pass {what}=, or start "
+        "the script with the launcher, which sets them: python -m aioautograd.distributed.run "
+        "--nproc N script.py (or -m package.module), or with torchrun"
+    )
+
+
+def _default_backend() -> str:
+    # A launcher (ours, torchrun, a cluster job script) that sets MASTER_PORT means processes.
+    chosen = os.environ.get("AIOAUTOGRAD_RPC_BACKEND")
+    if chosen:
+        return chosen
+    return "grpc" if os.environ.get("MASTER_PORT") else "local"
 
 
 async def init_rpc(
@@ -46,10 +55,12 @@ async def init_rpc(
 
     Args:
         name: This worker's unique name.
-        rank: Its rank in ``[0, world_size)``, also its ``WorkerInfo.id`` (default: ``RANK``).
-        world_size: Number of workers (default: ``WORLD_SIZE``).
+        rank: Its rank in ``[0, world_size)``, also its ``WorkerInfo.id`` (default: ``RANK``,
+            else ``SLURM_PROCID``).
+        world_size: Number of workers (default: ``WORLD_SIZE``, else ``SLURM_NTASKS``).
         backend: ``"local"`` (workers are tasks of this process and loop) or ``"grpc"``
-            (processes or machines); default ``AIOAUTOGRAD_RPC_BACKEND``, else ``"local"``.
+            (processes or machines); default ``AIOAUTOGRAD_RPC_BACKEND``, else ``"grpc"``
+            when ``MASTER_PORT`` is set (by a launcher), else ``"local"``.
         rpc_backend_options: :class:`LocalOptions`, :class:`GrpcOptions` or the common
             :class:`RpcBackendOptions` (``options`` is a shorter alias).
         allowed_functions: ``"module:qualname"`` entries that peers may call on this worker
@@ -69,10 +80,10 @@ async def init_rpc(
     if rpc_backend_options is not None and options is not None:
         raise TypeError("pass rpc_backend_options or options, not both")
     agent = create_agent(
-        backend or os.environ.get("AIOAUTOGRAD_RPC_BACKEND") or "local",
+        backend or _default_backend(),
         name,
-        _env_int(rank, "RANK", "rank"),
-        _env_int(world_size, "WORLD_SIZE", "world_size"),
+        _env_int(rank, ("RANK", "SLURM_PROCID"), "rank"),
+        _env_int(world_size, ("WORLD_SIZE", "SLURM_NTASKS"), "world_size"),
         rpc_backend_options or options,
         allowed_functions,
     )

@@ -51,6 +51,13 @@ class RpcAuthenticationError(RpcError, PermissionError):
     """A peer refused this worker (wrong or missing token) or a TLS handshake failed."""
 
 
+class RpcLimitError(RpcError):
+    """A message or the load exceeded a configured bound (message size, calls in flight).
+
+    The message names the bound and the option that raises it; the worker keeps serving.
+    """
+
+
 class FunctionNotRegisteredError(RpcError, LookupError):
     """The callee refused to run a function that is neither registered nor allow-listed."""
 

@@ -97,6 +97,9 @@ class RpcInterceptor:
         """Called when the agent stops: after the shutdown barrier (every peer is done with
         this worker), or at once for ``shutdown(graceful=False)``. RPCs no longer work."""
 
+    def on_worker_dead(self, worker: WorkerInfo) -> None:
+        """Called on the agent's loop when ``worker`` is marked dead (or shut down)."""
+
 
 _interceptor_factories: dict[str, Callable[[RpcAgent], RpcInterceptor]] = {}
 

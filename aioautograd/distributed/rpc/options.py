@@ -8,11 +8,13 @@ unset, so a script started by ``python -m aioautograd.distributed.run`` needs no
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_RPC_TIMEOUT = 60.0
+IDENTITY_MODES = ("shared", "token", "tls")
 
 
 @dataclass
@@ -113,18 +115,43 @@ class GrpcOptions(RpcBackendOptions):
 
     Attributes:
         master_addr: Address of rank 0 (default: ``MASTER_ADDR``, else ``127.0.0.1``).
-        master_port: Port of rank 0 (default: ``MASTER_PORT``).
-        host: The address this worker listens on and advertises (default:
-            ``AIOAUTOGRAD_HOST``, else ``master_addr``, which suits loopback and
-            single-interface hosts).
+        master_port: Port of rank 0 (default: ``AIOAUTOGRAD_MASTER_PORT``, else
+            ``MASTER_PORT``; under torchrun, whose agent holds ``MASTER_PORT``, rank 0 listens
+            on a free port and publishes it in torchrun's store).
+        host: The address this worker listens on and advertises to the others (default:
+            ``AIOAUTOGRAD_HOST``; else, with a loopback ``master_addr``, that address; else
+            the worker listens on every interface and advertises ``master_addr`` for rank 0
+            and, for other ranks, its own address on the route to ``master_addr``).
         port: This worker's port for ranks other than 0 (default 0: chosen by the OS).
-        token: The shared secret every call must carry (default: ``AIOAUTOGRAD_RPC_TOKEN``);
-            required.
+        token: The shared secret every call must carry (default: ``AIOAUTOGRAD_RPC_TOKEN``,
+            else the contents of the file ``AIOAUTOGRAD_RPC_TOKEN_FILE``); required.
         tls: TLS material (default: :meth:`TLSConfig.from_env`); ``None`` means plain TCP,
             acceptable on loopback only.
         heartbeat_interval: Seconds between heartbeats to each peer.
         heartbeat_timeout: A peer that has not answered for this long is marked dead: calls
-            in flight to it fail and later ones fail at once.
+            in flight to it fail and later ones fail at once. Heartbeats are sent and answered
+            by a thread of their own, so a peer whose event loop is busy (a long synchronous
+            step) stays alive; a dead peer that answers again is alive again.
+        max_message_size: The largest message, in bytes, this worker accepts or sends (a
+            larger one fails with :class:`RpcLimitError` on the sender, or is refused by the
+            receiver before it is read). Every worker should use the same value.
+        max_inflight_bytes: Bytes of requests this worker may have in flight at once; further
+            calls wait (within their timeout) until earlier ones finish.
+        max_inflight_calls: Calls this worker may have in flight at once; further calls wait.
+        max_concurrent_calls: Calls this worker serves at once; beyond it, callers get an
+            :class:`RpcLimitError` ("overloaded") and the worker keeps serving the others.
+        identity: ``"shared"`` (default): every worker carries the shared token, and any
+            holder of it may speak as any worker. ``"token"``: each worker carries its own
+            token, ``HMAC-SHA256(shared token, worker name)``, and a request is refused unless
+            its sender (the ``src`` of the message, the name that joins) is the worker the
+            token belongs to. ``"tls"``: mutual TLS, and the sender must be named by its
+            certificate (common name or a DNS subject alternative name); the strongest mode,
+            as no worker holds another's private key (with ``"token"``, every worker holds
+            the shared secret, so a compromised worker can still mint any name's token).
+            Every worker must use the same mode. Default: ``AIOAUTOGRAD_RPC_IDENTITY``, else
+            ``"shared"``.
+        torchelastic_store: ``(host, port)`` of torchrun's agent store, through which the
+            workers find rank 0 (set from the environment under torchrun; needs torch).
     """
 
     master_addr: str | None = None
@@ -135,32 +162,93 @@ class GrpcOptions(RpcBackendOptions):
     tls: TLSConfig | None = None
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
+    max_message_size: int = 256 << 20
+    max_inflight_bytes: int = 256 << 20
+    max_inflight_calls: int = 1024
+    max_concurrent_calls: int = 4096
+    identity: str = ""
+    torchelastic_store: tuple[str, int] | None = None
 
     def resolved(self) -> GrpcOptions:
         """A copy with the environment's values filled in; raises if something is missing."""
-        master_addr = self.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        env = os.environ
+        master_addr = self.master_addr or env.get("MASTER_ADDR") or "127.0.0.1"
+        if master_addr == "localhost":
+            master_addr = "127.0.0.1"  # one address to bind, whatever localhost resolves to
         master_port = self.master_port
+        store = self.torchelastic_store
+        if master_port is None and env.get("AIOAUTOGRAD_MASTER_PORT"):
+            master_port = int(env["AIOAUTOGRAD_MASTER_PORT"])
         if master_port is None:
-            env_port = os.environ.get("MASTER_PORT")
+            env_port = env.get("MASTER_PORT")
             if not env_port:
                 raise ValueError(
                     "the grpc backend needs the master's port: pass GrpcOptions(master_port=...) "
-                    "or set MASTER_PORT (python -m aioautograd.distributed.run does)"
+                    "or set MASTER_PORT (python -m aioautograd.distributed.run, torchrun and "
+                    "most cluster launchers do)"
                 )
-            master_port = int(env_port)
-        token = self.token or os.environ.get("AIOAUTOGRAD_RPC_TOKEN")
+            if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and store is None:
+                # torchrun's agent holds MASTER_PORT (its TCPStore): rank 0 listens on a free
+                # port and publishes it in that store.
+                store = (master_addr, int(env_port))
+                master_port = 0
+            else:
+                master_port = int(env_port)
+        token = self.token or env.get("AIOAUTOGRAD_RPC_TOKEN")
+        token_file = env.get("AIOAUTOGRAD_RPC_TOKEN_FILE")
+        if not token and token_file:
+            token = Path(token_file).read_text().strip()
         if not token:
             raise ValueError(
                 "the grpc backend needs a shared token: pass GrpcOptions(token=...) or set "
-                "AIOAUTOGRAD_RPC_TOKEN (python -m aioautograd.distributed.run generates one)"
+                "AIOAUTOGRAD_RPC_TOKEN (or AIOAUTOGRAD_RPC_TOKEN_FILE) to the same secret on "
+                "every worker (python -m aioautograd.distributed.run generates one)"
             )
         if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("need 0 < heartbeat_interval < heartbeat_timeout")
+        for field in (
+            "max_message_size",
+            "max_inflight_bytes",
+            "max_inflight_calls",
+            "max_concurrent_calls",
+        ):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GrpcOptions.{field} must be a positive integer, got {value!r}")
+        if self.max_message_size >= 1 << 31:
+            raise ValueError("GrpcOptions.max_message_size must be below 2 GiB (gRPC's limit)")
+        identity = self.identity or env.get("AIOAUTOGRAD_RPC_IDENTITY") or "shared"
+        if identity not in IDENTITY_MODES:
+            raise ValueError(
+                f"GrpcOptions.identity must be one of {IDENTITY_MODES}, got {identity!r}"
+            )
+        tls = self.tls if self.tls is not None else TLSConfig.from_env()
+        if identity == "tls" and (tls is None or not tls.mutual):
+            raise ValueError(
+                "identity='tls' needs mutual TLS (TLSConfig(mutual=True) or "
+                "AIOAUTOGRAD_TLS_MUTUAL=1), with each worker's certificate naming the worker "
+                "(common name or a DNS subject alternative name)"
+            )
+        host = self.host or env.get("AIOAUTOGRAD_HOST") or None
+        if host is None and is_loopback(master_addr):
+            host = master_addr
         return dataclasses.replace(
             self,
             master_addr=master_addr,
             master_port=master_port,
-            host=self.host or os.environ.get("AIOAUTOGRAD_HOST") or master_addr,
+            host=host,
             token=token,
-            tls=self.tls if self.tls is not None else TLSConfig.from_env(),
+            identity=identity,
+            tls=tls,
+            torchelastic_store=store,
         )
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` (an IP address or ``localhost``) is a loopback address."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False

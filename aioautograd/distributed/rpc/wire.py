@@ -24,7 +24,9 @@ unsigned integers, float16/32/64, complex64/128) are accepted; object arrays and
 Python object are refused with ``TypeError`` on the sender.
 
 Decoding never executes anything it reads: malformed, truncated or hostile bytes raise
-:class:`~aioautograd.distributed.rpc.errors.MalformedMessageError`.
+:class:`~aioautograd.distributed.rpc.errors.MalformedMessageError`. What a message may declare
+is bounded, so that a small message cannot cost much memory: at most :data:`MAX_BUFFERS`
+arrays and :data:`MAX_ITEMS` list, tuple and dict entries (all containers together).
 """
 
 from __future__ import annotations
@@ -46,7 +48,15 @@ from aioautograd.tensor import Tensor
 MAGIC = b"AAG\x01"
 _PREFIX = struct.Struct("<4sII")
 _LENGTH = struct.Struct("<Q")
-_MAX_BUFFERS = 1 << 20
+# What one message may declare, so that a small hostile message cannot cost a lot of memory
+# (a Python object per msgpack item or buffer is ~30-200x the bytes that declare it).
+MAX_BUFFERS = 1 << 16  # arrays in one message
+MAX_ITEMS = 1 << 18  # list, tuple and map entries in one payload, all containers together
+_MAX_HEADER_MAP = 1 << 10
+_TOO_MANY_ITEMS = (
+    f"malformed message: more than {MAX_ITEMS} list, tuple and dict entries (send large "
+    "collections of numbers as tensors or arrays)"
+)
 _MAX_NDIM = 64
 _MAX_DEPTH = 100  # nested tuples, RRefs, ... in one payload
 
@@ -140,8 +150,10 @@ class Message:
             raise MalformedMessageError(
                 f"not an aioautograd RPC message (magic {bytes(magic)!r}, expected {MAGIC!r})"
             )
-        if count > _MAX_BUFFERS:
-            raise MalformedMessageError(f"message claims {count} buffers")
+        if count > MAX_BUFFERS:
+            raise MalformedMessageError(
+                f"message claims {count} arrays; at most {MAX_BUFFERS} travel in one message"
+            )
         offset = _PREFIX.size + _LENGTH.size * count
         if view.nbytes < offset + header_length:
             raise MalformedMessageError("message is truncated (header)")
@@ -276,6 +288,11 @@ def encode(
     """
     encoder = _Encoder()
     body = encoder.pack(payload)
+    if len(encoder.buffers) > MAX_BUFFERS:
+        raise TypeError(
+            f"cannot send {len(encoder.buffers)} arrays in one RPC message (at most "
+            f"{MAX_BUFFERS}): stack them into fewer tensors"
+        )
     header = dict(fields)
     if on_tensors is not None:
         metadata = on_tensors(encoder.tensors)
@@ -319,7 +336,14 @@ def decode_header(message: Message) -> Header:
         MalformedMessageError: when the header is not what this version writes.
     """
     try:
-        raw = msgpack.unpackb(message.header, raw=False, strict_map_key=True, use_list=True)
+        raw = msgpack.unpackb(
+            message.header,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_array_len=MAX_BUFFERS,
+            max_map_len=_MAX_HEADER_MAP,
+        )
     except Exception as exc:
         raise MalformedMessageError(f"malformed message header: {exc}") from None
     raw = _expect(raw, (dict,), "the header")
@@ -454,6 +478,14 @@ def decode_payload(
             values[slot] = tensor
     decoders = ext_decoders or {}
     depth = 0
+    items = 0
+
+    def count(container: Any) -> Any:
+        nonlocal items
+        items += len(container)
+        if items > MAX_ITEMS:
+            raise MalformedMessageError(_TOO_MANY_ITEMS)
+        return container
 
     def nested(data: bytes) -> Any:
         # msgpack calls ext_hook from C: unbounded nesting would overflow the C stack.
@@ -462,7 +494,7 @@ def decode_payload(
             raise MalformedMessageError(f"malformed message: nested deeper than {_MAX_DEPTH}")
         depth += 1
         try:
-            return _unpack(data, ext_hook)
+            return _unpack(data, ext_hook, count)
         finally:
             depth -= 1
 
@@ -485,16 +517,30 @@ def decode_payload(
         fields = nested(data)
         return decoder(_expect(fields, (list,), f"extension {code}"))
 
-    return _unpack(header.payload, ext_hook)
+    return _unpack(header.payload, ext_hook, count)
 
 
-def _unpack(data: bytes, ext_hook: Callable[[int, bytes], Any]) -> Any:
+def _unpack(data: bytes, ext_hook: Callable[[int, bytes], Any], count: Callable[[Any], Any]) -> Any:
     try:
         return msgpack.unpackb(
-            data, raw=False, ext_hook=ext_hook, strict_map_key=False, use_list=True
+            data,
+            raw=False,
+            ext_hook=ext_hook,
+            list_hook=count,
+            object_hook=count,
+            strict_map_key=False,
+            use_list=True,
+            max_array_len=MAX_ITEMS,
+            max_map_len=MAX_ITEMS,
         )
     except RpcError:  # includes MalformedMessageError
         raise
+    except ValueError as exc:
+        if "exceeds max_" in str(exc):  # one container over msgpack's max_array/map_len
+            raise MalformedMessageError(_TOO_MANY_ITEMS) from None
+        raise MalformedMessageError(
+            f"malformed message payload: {type(exc).__name__}: {exc}"
+        ) from None
     except Exception as exc:  # msgpack, struct, Unicode and recursion errors alike
         raise MalformedMessageError(
             f"malformed message payload: {type(exc).__name__}: {exc}"

@@ -8,24 +8,47 @@ One generic service (bytes in, bytes out; no protoc) with three unary methods:
 - ``Call``: one framed :class:`~aioautograd.distributed.rpc.wire.Message` in, the response
   out. The caller's deadline travels with the call, and cancelling the caller cancels the
   handler on the callee.
-- ``Heartbeat``: an empty ping. Each worker pings each peer every ``heartbeat_interval``; a
-  peer that has answered nothing (neither a ping nor a call) for ``heartbeat_timeout`` is
-  marked dead, which fails the calls in flight to it at once and later ones immediately.
-  A killed process is usually noticed sooner: its connections reset and calls fail with
-  ``WorkerUnavailableError`` right away; heartbeats catch the silent cases (a stopped
-  process, a hung machine, a cut network).
+- ``Heartbeat``: an empty ping, served and sent by a thread of each worker (a second, tiny
+  synchronous gRPC server whose address travels in the directory), so that a worker whose
+  event loop is busy for a while (a long synchronous step) still answers and still pings.
+  Each worker pings each peer every ``heartbeat_interval``; a peer that has answered nothing
+  (neither a ping nor a call) for ``heartbeat_timeout`` is marked dead, which fails the calls
+  in flight to it at once and later ones immediately. A peer marked dead for its silence that
+  answers again is alive again. A killed process is usually noticed sooner: its connections
+  reset and calls fail with ``WorkerUnavailableError`` right away; heartbeats catch the
+  silent cases (a stopped process, a hung machine, a cut network). A worker that lost a peer
+  this way fails its graceful ``shutdown`` (so its process exits non-zero).
 
-Every method checks the shared token (call metadata ``aioautograd-token``, compared in
-constant time) before reading the request: a peer without it gets ``UNAUTHENTICATED`` and its
-bytes are never decoded. With :class:`~aioautograd.distributed.rpc.options.TLSConfig` the
-server and the channels use TLS (``mutual=True`` makes servers require client
-certificates). Malformed requests get ``INVALID_ARGUMENT``; the server keeps serving.
+Credentials are checked before a request body is read: a server interceptor looks at the
+call metadata (``aioautograd-token``, compared in constant time; with ``identity="token"``
+also ``aioautograd-worker``, the name the token belongs to) and refuses a call without valid
+credentials with ``UNAUTHENTICATED`` without reading its message. With ``identity="token"``
+or ``"tls"`` (mutual TLS, each worker's certificate naming it), a request whose sender or a
+join whose name is not the authenticated worker is refused with ``PERMISSION_DENIED``.
+Messages are bounded by ``max_message_size`` on both sides (gRPC refuses a larger one from
+its length prefix); ``max_concurrent_calls`` bounds the calls served at once and
+``max_inflight_calls`` / ``max_inflight_bytes`` the calls a worker sends at once (further
+ones wait). With
+:class:`~aioautograd.distributed.rpc.options.TLSConfig` the servers and the channels use TLS
+(``mutual=True`` makes servers require client certificates). Malformed requests get
+``INVALID_ARGUMENT``; the server keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import contextvars
+import datetime
+import hashlib
 import hmac
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
 
 import msgpack  # type: ignore[import-untyped]
@@ -44,6 +67,7 @@ from aioautograd.distributed.rpc.errors import (
     MalformedMessageError,
     RpcAuthenticationError,
     RpcError,
+    RpcLimitError,
     RpcTimeoutError,
     WorkerUnavailableError,
 )
@@ -52,11 +76,25 @@ from aioautograd.distributed.rpc.worker import WorkerInfo
 
 SERVICE = "aioautograd.rpc.Agent"
 TOKEN_KEY = "aioautograd-token"
-_UNLIMITED = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+WORKER_KEY = "aioautograd-worker"
 # Without this, a second server may silently bind a port that is already taken.
-_SERVER_OPTIONS = [*_UNLIMITED, ("grpc.so_reuseport", 0)]
+_NO_REUSEPORT = ("grpc.so_reuseport", 0)
+_HEARTBEAT_MESSAGE_LIMIT = 4096
 _STOP_GRACE_S = 2.0
 _JOIN_RETRY_S = 0.1
+_LOST_PREFIX = "no heartbeat for"
+
+logger = logging.getLogger("aioautograd.distributed.rpc")
+
+
+def worker_token(secret: str, name: str) -> str:
+    """The token of worker ``name`` with ``identity="token"``: HMAC-SHA256(secret, name)."""
+    digest = hmac.new(secret.encode(), b"aioautograd-worker\0" + name.encode(), hashlib.sha256)
+    return digest.hexdigest()
+
+
+def _message_limits(size: int) -> list[tuple[str, Any]]:
+    return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
 
 
 def map_grpc_error(exc: grpc.aio.AioRpcError, peer: str) -> Exception:
@@ -70,7 +108,131 @@ def map_grpc_error(exc: grpc.aio.AioRpcError, peer: str) -> Exception:
         return WorkerUnavailableError(f"worker {peer!r} is unavailable: {details}")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return MalformedMessageError(f"worker {peer!r} rejected the message: {details}")
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return RpcAuthenticationError(f"worker {peer!r} refused this worker: {details}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return RpcLimitError(
+            f"worker {peer!r} refused the call ({details}): the message exceeds "
+            "GrpcOptions.max_message_size or the worker serves max_concurrent_calls calls "
+            "already; send smaller messages, fewer calls at once, or raise the limits on "
+            "every worker"
+        )
     return RpcError(f"call to worker {peer!r} failed with {code.name}: {details}")
+
+
+class _Credentials:
+    """What a worker sends with every call, and checks on every call it receives."""
+
+    def __init__(self, name: str, secret: str, identity: str) -> None:
+        self.secret = secret.encode()
+        self.identity = identity
+        token = worker_token(secret, name) if identity == "token" else secret
+        self.metadata = ((TOKEN_KEY, token), (WORKER_KEY, name))
+
+    def check(self, metadata: Any) -> tuple[str | None, str | None]:
+        """``(claimed worker name, None)`` for valid credentials, else ``(None, why)``."""
+        given, worker = "", ""
+        for key, value in metadata or ():
+            if key == TOKEN_KEY and isinstance(value, str):
+                given = value
+            elif key == WORKER_KEY and isinstance(value, str):
+                worker = value
+        if self.identity == "token":
+            expected = worker_token(self.secret.decode(), worker).encode()
+        else:
+            expected = self.secret
+        if hmac.compare_digest(given.encode(), expected):
+            return worker or None, None
+        if self.identity == "token":
+            return None, (
+                f"invalid or missing RPC token for worker {worker!r} (identity='token': metadata "
+                f"{TOKEN_KEY!r} must be HMAC-SHA256(AIOAUTOGRAD_RPC_TOKEN, the worker name in "
+                f"{WORKER_KEY!r}); every worker needs the same secret and identity mode)"
+            )
+        return None, (
+            f"invalid or missing RPC token (metadata {TOKEN_KEY!r}; every worker needs the "
+            "same AIOAUTOGRAD_RPC_TOKEN)"
+        )
+
+
+class _AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Refuses calls without valid credentials before their message is read.
+
+    gRPC reads a unary request before calling its handler; the refusal is a request-streaming
+    handler that never reads, so an unauthenticated body is never received beyond gRPC's flow
+    control window, let alone decoded.
+    """
+
+    def __init__(self, worker: str, credentials: _Credentials) -> None:
+        self._worker = worker
+        self._credentials = credentials
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        _, why = self._credentials.check(details.invocation_metadata)
+        if why is None:
+            return await continuation(details)
+        text = f"worker {self._worker!r} refused the call: {why}"
+
+        async def refuse(requests: Any, context: Any) -> bytes:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, text)
+            raise AssertionError("unreachable: abort raises")
+
+        return grpc.stream_unary_rpc_method_handler(refuse)
+
+
+class _Budget:
+    """Calls and bytes a worker has in flight; a call that would exceed either waits.
+
+    Waiting calls are served in order, and a release wakes only the calls it makes room for
+    (waking every waiter on every release costs quadratic time under thousands of calls).
+    """
+
+    def __init__(self, calls: int, nbytes: int) -> None:
+        self.calls, self.nbytes = calls, nbytes
+        self.used_calls = self.used_bytes = self.peak_bytes = 0
+        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.used_calls < self.calls and self.used_bytes + nbytes <= self.nbytes
+
+    def _take(self, nbytes: int) -> None:
+        self.used_calls += 1
+        self.used_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+
+    async def acquire(self, nbytes: int) -> int:
+        """Wait for room for one call of ``nbytes``; returns what :meth:`release` takes."""
+        nbytes = min(nbytes, self.nbytes)  # a message over the whole budget goes alone
+        if not self._waiters and self._fits(nbytes):
+            self._take(nbytes)
+            return nbytes
+        waiter = asyncio.get_running_loop().create_future()
+        entry = (nbytes, waiter)
+        self._waiters.append(entry)
+        try:
+            await waiter  # _grant has taken the room for us
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release(nbytes)  # granted, but our caller gave up meanwhile
+            else:
+                with contextlib.suppress(ValueError):  # _grant may have dropped it already
+                    self._waiters.remove(entry)
+                self._grant()  # we may have been the head that blocked the others
+            raise
+        return nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.used_calls -= 1
+        self.used_bytes -= nbytes
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiters and self._fits(self._waiters[0][0]):
+            nbytes, waiter = self._waiters.popleft()
+            if waiter.done():
+                continue
+            self._take(nbytes)
+            waiter.set_result(None)
 
 
 class GrpcAgent(RpcAgent):
@@ -81,50 +243,72 @@ class GrpcAgent(RpcAgent):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        assert self.options.token is not None  # GrpcOptions.resolved() checks it
-        self._metadata = ((TOKEN_KEY, self.options.token),)
-        self._token = self.options.token.encode()
+        options = self.options
+        assert options.token is not None  # GrpcOptions.resolved() checks it
+        self._credentials = _Credentials(self.info.name, options.token, options.identity)
+        self._metadata = self._credentials.metadata
         self._server: Any = None
         self._channels: dict[str, Any] = {}
         self._stubs: dict[str, Any] = {}
         self._addresses: dict[str, str] = {}
-        self._joined: dict[str, tuple[int, str]] = {}
+        self._joined: dict[str, tuple[int, str, str]] = {}
         self._all_joined = asyncio.Event()
-        self._last_seen: dict[str, float] = {}
-        self._service_tasks: set[asyncio.Task[Any]] = set()
+        self._budget = _Budget(options.max_inflight_calls, options.max_inflight_bytes)
+        self._heartbeat = _Heartbeat(self)
+        self._lost: set[str] = set()  # peers marked dead for their silence, not revived
 
     # ------------------------------------------------------------------------ start/stop
+    def _server_credentials(self) -> Any:
+        tls = self.options.tls
+        assert tls is not None
+        return grpc.ssl_server_credentials(
+            [(tls.private_key, tls.certificate_chain)],
+            root_certificates=tls.root_certificates if tls.mutual else None,
+            require_client_auth=tls.mutual,
+        )
+
+    def _channel_credentials(self) -> Any:
+        tls = self.options.tls
+        assert tls is not None
+        return grpc.ssl_channel_credentials(
+            root_certificates=tls.root_certificates,
+            private_key=tls.private_key if tls.mutual else None,
+            certificate_chain=tls.certificate_chain if tls.mutual else None,
+        )
+
     async def _start(self) -> list[WorkerInfo]:
         options = self.options
-        server = grpc.aio.server(options=_SERVER_OPTIONS)
+        server = grpc.aio.server(
+            options=[*_message_limits(options.max_message_size), _NO_REUSEPORT],
+            interceptors=[_AuthInterceptor(self.info.name, self._credentials)],
+            maximum_concurrent_rpcs=options.max_concurrent_calls,
+        )
         handlers = {
             "Call": grpc.unary_unary_rpc_method_handler(self._on_call),
-            "Heartbeat": grpc.unary_unary_rpc_method_handler(self._on_heartbeat),
             "Join": grpc.unary_unary_rpc_method_handler(self._on_join),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         port = options.master_port if self.info.id == 0 else options.port
-        address = f"{options.host}:{port}"
+        bind_host, own_host = self._hosts()
+        address = f"{bind_host}:{port}"
         try:
             if options.tls is None:
                 bound = server.add_insecure_port(address)
             else:
-                tls = options.tls
-                credentials = grpc.ssl_server_credentials(
-                    [(tls.private_key, tls.certificate_chain)],
-                    root_certificates=tls.root_certificates if tls.mutual else None,
-                    require_client_auth=tls.mutual,
-                )
-                bound = server.add_secure_port(address, credentials)
+                bound = server.add_secure_port(address, self._server_credentials())
         except RuntimeError as exc:
             raise RpcError(f"worker {self.info.name!r} cannot listen on {address}: {exc}") from None
         if not bound:
             raise RpcError(f"worker {self.info.name!r} cannot listen on {address}")
         await server.start()
         self._server = server
-        own_address = f"{options.host}:{bound}"
+        own_address = f"{own_host}:{bound}"
+        heartbeat_address = self._heartbeat.listen(bind_host, own_host)
+        store = options.torchelastic_store
         if self.info.id == 0:
-            self._register_join(self.info.name, 0, self.world_size, own_address)
+            if store is not None:
+                await asyncio.to_thread(_torchelastic_master, store, options, own_address)
+            self._register_join(self.info.name, 0, self.world_size, own_address, heartbeat_address)
             try:
                 await asyncio.wait_for(self._all_joined.wait(), options.init_timeout)
             except TimeoutError:
@@ -134,21 +318,34 @@ class GrpcAgent(RpcAgent):
                 ) from None
             directory = self._directory()
         else:
-            directory = await self._join(own_address)
+            if store is not None:
+                master = await asyncio.to_thread(_torchelastic_master, store, options, None)
+            else:
+                master = f"{options.master_addr}:{options.master_port}"
+            directory = await self._join(master, own_address, heartbeat_address)
         workers = []
-        for name, rank, worker_address in directory:
+        peers = {}
+        for entry in directory:
+            name, rank, worker_address, worker_heartbeat = entry
             self._addresses[name] = worker_address
             workers.append(WorkerInfo(name, rank))
-        now = self.loop.time()
-        self._last_seen = {w.name: now for w in workers if w.name != self.info.name}
-        heartbeats = self.loop.create_task(self._heartbeats())
-        self._service_tasks.add(heartbeats)
+            if name != self.info.name:
+                peers[name] = worker_heartbeat
+        self._heartbeat.start(peers)
         return workers
 
+    def _hosts(self) -> tuple[str, str]:
+        """The host to listen on and the one to advertise to the other workers."""
+        options = self.options
+        if options.host is not None:
+            return options.host, options.host
+        assert options.master_addr is not None
+        if self.info.id == 0:
+            return "0.0.0.0", options.master_addr
+        return "0.0.0.0", _outward_address(options.master_addr)
+
     async def _stop(self) -> None:
-        for task in self._service_tasks:
-            task.cancel()
-        await asyncio.gather(*self._service_tasks, return_exceptions=True)
+        await asyncio.to_thread(self._heartbeat.stop)
         if self._server is not None:
             await self._server.stop(_STOP_GRACE_S)
         for channel in self._channels.values():
@@ -156,38 +353,56 @@ class GrpcAgent(RpcAgent):
         self._channels.clear()
         self._stubs.clear()
 
+    async def shutdown(self, graceful: bool = True) -> None:
+        """Stop this worker (see :func:`~aioautograd.distributed.rpc.shutdown`).
+
+        Raises:
+            WorkerUnavailableError: after a graceful shutdown, when peers were lost on the
+                way (marked dead for their silence and never heard from again): the world
+                this worker belonged to is incomplete, and its process should say so.
+        """
+        await super().shutdown(graceful)
+        lost = {name: self._dead[name] for name in sorted(self._lost) if name in self._dead}
+        if graceful and lost:
+            raise WorkerUnavailableError(
+                f"worker {self.info.name!r} lost workers {sorted(lost)} before the world shut "
+                f"down ({'; '.join(f'{name}: {why}' for name, why in lost.items())})"
+            )
+
     # -------------------------------------------------------------------------- joining
-    def _register_join(self, name: str, rank: int, world_size: int, address: str) -> str | None:
+    def _register_join(
+        self, name: str, rank: int, world_size: int, address: str, heartbeat: str
+    ) -> str | None:
         if world_size != self.world_size:
             return f"world_size {world_size} differs from the master's {self.world_size}"
         if not 0 <= rank < self.world_size:
             return f"rank {rank} is outside [0, {self.world_size})"
         previous = self._joined.get(name)
         if previous is not None:
-            if previous == (rank, address):
+            if previous == (rank, address, heartbeat):
                 return None  # a retried join
             return f"a worker named {name!r} already joined"
-        if any(joined_rank == rank for joined_rank, _ in self._joined.values()):
+        if any(joined[0] == rank for joined in self._joined.values()):
             return f"rank {rank} already joined"
         if self._all_joined.is_set():
             return "the world is already complete"
-        self._joined[name] = (rank, address)
+        self._joined[name] = (rank, address, heartbeat)
         if len(self._joined) == self.world_size:
             self._all_joined.set()
         return None
 
     def _directory(self) -> list[list[Any]]:
-        return [[name, rank, address] for name, (rank, address) in self._joined.items()]
+        return [[name, *joined] for name, joined in self._joined.items()]
 
-    async def _join(self, own_address: str) -> list[list[Any]]:
+    async def _join(self, master: str, own_address: str, heartbeat_address: str) -> list[list[Any]]:
         options = self.options
-        master = f"{options.master_addr}:{options.master_port}"
         request = msgpack.packb(
             {
                 "name": self.info.name,
                 "rank": self.info.id,
                 "world_size": self.world_size,
                 "address": own_address,
+                "heartbeat": heartbeat_address,
             }
         )
         join = self._channel(master).unary_unary(f"/{SERVICE}/Join")
@@ -204,7 +419,7 @@ class GrpcAgent(RpcAgent):
                 break
             except grpc.aio.AioRpcError as exc:
                 code, details = exc.code(), exc.details() or ""
-                if code == grpc.StatusCode.UNAUTHENTICATED:
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     raise RpcAuthenticationError(
                         f"the master at {master} refused worker {self.info.name!r}: {details}"
                     ) from None
@@ -219,54 +434,92 @@ class GrpcAgent(RpcAgent):
                 await asyncio.sleep(_JOIN_RETRY_S)  # the master is not listening yet
         try:
             directory = msgpack.unpackb(response)["workers"]
+            if not all(
+                isinstance(entry, list)
+                and len(entry) == 4
+                and isinstance(entry[0], str)
+                and isinstance(entry[1], int)
+                and isinstance(entry[2], str)
+                and isinstance(entry[3], str)
+                for entry in directory
+            ):
+                raise ValueError("bad entry")
         except Exception as exc:
             raise MalformedMessageError(f"malformed directory from the master: {exc}") from None
         return directory  # type: ignore[no-any-return]
 
     # --------------------------------------------------------------------------- serving
-    async def _authenticate(self, context: Any) -> None:
-        given = ""
+    @staticmethod
+    def _caller(context: Any) -> str | None:
+        # The worker name in the metadata. The interceptor has checked the credentials: with
+        # identity="token" they belong to this name (else the name is only a hint).
         for key, value in context.invocation_metadata() or ():
-            if key == TOKEN_KEY and isinstance(value, str):
-                given = value
-        if not hmac.compare_digest(given.encode(), self._token):
-            await self._abort(
-                context,
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"worker {self.info.name!r} refused the call: invalid or missing RPC token "
-                f"(metadata {TOKEN_KEY!r}; every worker needs the same AIOAUTOGRAD_RPC_TOKEN)",
-            )
+            if key == WORKER_KEY:
+                return str(value)
+        return None
 
     @staticmethod
     async def _abort(context: Any, code: Any, details: str) -> NoReturn:
         await context.abort(code, details)
         raise AssertionError("unreachable: abort raises")
 
+    def _identity_refusal(self, context: Any, claimed: str) -> str | None:
+        """Why the caller may not speak as worker ``claimed`` (``None``: it may)."""
+        mode = self.options.identity
+        if mode == "shared":
+            return None
+        if mode == "token":
+            caller = self._caller(context)
+            if caller == claimed:
+                return None
+            return f"the credentials of worker {caller!r} cannot speak as {claimed!r} ({mode=})"
+        names = _certificate_names(context)
+        if claimed in names:
+            return None
+        return (
+            f"the caller's TLS certificate names {sorted(names)}, not worker {claimed!r} "
+            f"({mode=}: each worker's certificate must name it)"
+        )
+
     async def _on_call(self, request: bytes, context: Any) -> bytes:
-        await self._authenticate(context)
         try:
-            response = await self.serve(wire.Message.from_bytes(request))
+            message = wire.Message.from_bytes(request)
+            caller = self._caller(context)
+            if self.options.identity != "shared":
+                src = wire.decode_header(message).src
+                refusal = self._identity_refusal(context, src)
+                if refusal is not None:
+                    await self._abort(
+                        context,
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        f"worker {self.info.name!r} refused a request that claims to come from "
+                        f"{src!r}: {refusal}",
+                    )
+            if caller is not None:
+                self._heard_from(caller)
+            response = await self.serve(message)
         except MalformedMessageError as exc:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return response.to_bytes()
 
-    async def _on_heartbeat(self, request: bytes, context: Any) -> bytes:
-        await self._authenticate(context)
-        return b""
-
     async def _on_join(self, request: bytes, context: Any) -> bytes:
-        await self._authenticate(context)
         if self.info.id != 0:
             await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, "not the master")
         try:
             joiner = msgpack.unpackb(request)
             name, rank = str(joiner["name"]), int(joiner["rank"])
             world_size, address = int(joiner["world_size"]), str(joiner["address"])
+            heartbeat = str(joiner["heartbeat"])
         except Exception as exc:
             await self._abort(
                 context, grpc.StatusCode.INVALID_ARGUMENT, f"malformed join request: {exc}"
             )
-        refusal = self._register_join(name, rank, world_size, address)
+        refusal = self._identity_refusal(context, name)
+        if refusal is not None:
+            await self._abort(
+                context, grpc.StatusCode.PERMISSION_DENIED, f"cannot join as {name!r}: {refusal}"
+            )
+        refusal = self._register_join(name, rank, world_size, address, heartbeat)
         if refusal is not None:
             await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, refusal)
         try:
@@ -282,63 +535,249 @@ class GrpcAgent(RpcAgent):
         channel = self._channels.get(address)
         if channel is not None:
             return channel
+        options = _message_limits(self.options.max_message_size)
         tls = self.options.tls
         if tls is None:
-            channel = grpc.aio.insecure_channel(address, options=_UNLIMITED)
+            channel = grpc.aio.insecure_channel(address, options=options)
         else:
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=tls.root_certificates,
-                private_key=tls.private_key if tls.mutual else None,
-                certificate_chain=tls.certificate_chain if tls.mutual else None,
-            )
-            options: list[tuple[str, Any]] = list(_UNLIMITED)
             if tls.server_name:
                 options.append(("grpc.ssl_target_name_override", tls.server_name))
-            channel = grpc.aio.secure_channel(address, credentials, options=options)
+            channel = grpc.aio.secure_channel(address, self._channel_credentials(), options=options)
         self._channels[address] = channel
         return channel
 
     async def _send_request(
         self, dst: WorkerInfo, message: wire.Message, seconds: float | None
     ) -> wire.Message:
+        if dst.name == self.info.name:
+            # A call to this worker itself (e.g. a distributed optimizer's local step): no
+            # socket, but copies and a fresh context, as a call from another worker.
+            request = message.snapshot()
+            return await self.loop.create_task(
+                self._serve_snapshot(request), context=contextvars.Context()
+            )
+        size = message.nbytes
+        if size > self.options.max_message_size:
+            raise RpcLimitError(
+                f"a message of {size} bytes to worker {dst.name!r} exceeds "
+                f"GrpcOptions.max_message_size ({self.options.max_message_size} bytes): send "
+                "smaller tensors, or raise max_message_size on every worker"
+            )
         call = self._stubs.get(dst.name)
         if call is None:
             channel = self._channel(self._addresses[dst.name])
             call = self._stubs[dst.name] = channel.unary_unary(f"/{SERVICE}/Call")
+        held = await self._budget.acquire(size)
         try:
             data = await call(message.to_bytes(), timeout=seconds, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise map_grpc_error(exc, dst.name) from None
-        self._last_seen[dst.name] = self.loop.time()
+        finally:
+            self._budget.release(held)
+        self._heard_from(dst.name)
         return wire.Message.from_bytes(data)
 
-    # ------------------------------------------------------------------------ heartbeats
-    async def _heartbeats(self) -> None:
-        interval, limit = self.options.heartbeat_interval, self.options.heartbeat_timeout
-        pings: dict[str, asyncio.Task[None]] = {}
-        try:
-            while True:
-                await asyncio.sleep(interval)
-                now = self.loop.time()
-                for peer, seen in self._last_seen.items():
-                    if peer in self._dead or (self._closing and peer in self._ready_from):
-                        continue  # both are done: the peer may stop serving at any moment
-                    if now - seen > limit:
-                        self.mark_dead(peer, f"no heartbeat for {limit:g} s")
-                    elif peer not in pings or pings[peer].done():
-                        pings[peer] = self.loop.create_task(self._ping(peer, limit))
-        finally:
-            for task in pings.values():
-                task.cancel()
-            await asyncio.gather(*pings.values(), return_exceptions=True)
+    async def _serve_snapshot(self, request: wire.Message) -> wire.Message:
+        return (await self.serve(request)).snapshot()
 
-    async def _ping(self, peer: str, limit: float) -> None:
-        ping = self._channel(self._addresses[peer]).unary_unary(f"/{SERVICE}/Heartbeat")
+    # ------------------------------------------------------------------------ liveness
+    def _heard_from(self, peer: str) -> None:
+        """A peer spoke (a call, a response, a heartbeat): it is alive, again if need be."""
+        self._heartbeat.seen(peer)
+        if peer in self._lost and peer in self._dead:
+            self._lost.discard(peer)
+            del self._dead[peer]
+            logger.warning("RPC worker %r hears from worker %r again", self.info.name, peer)
+
+    def _silent(self, peer: str) -> None:
+        """Called on the loop by the heartbeat thread for a peer silent for too long."""
+        if self._stopped or peer in self._dead or (self._closing and peer in self._ready_from):
+            return  # both are done: the peer may stop serving at any moment
+        limit = self.options.heartbeat_timeout
+        if not self._heartbeat.silent_for(peer, limit):
+            return  # it answered meanwhile (this loop was the slow one)
+        self._lost.add(peer)
+        self.mark_dead(peer, f"{_LOST_PREFIX} {limit:g} s")
+
+
+class _Heartbeat:
+    """Heartbeats on a thread: a tiny synchronous gRPC server that answers pings, and a
+    thread that pings every peer each interval and reports silent ones to the loop."""
+
+    def __init__(self, agent: GrpcAgent) -> None:
+        self._agent = agent
+        self._last_seen: dict[str, float] = {}
+        self._addresses: dict[str, str] = {}
+        self._server: Any = None
+        self._channels: list[Any] = []
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def seen(self, peer: str) -> None:
+        if peer in self._last_seen:
+            self._last_seen[peer] = time.monotonic()
+
+    def silent_for(self, peer: str, limit: float) -> bool:
+        return time.monotonic() - self._last_seen.get(peer, time.monotonic()) > limit
+
+    def listen(self, bind_host: str, own_host: str) -> str:
+        """Start the ping server on ``bind_host``; returns its address for the others."""
+        agent, options = self._agent, self._agent.options
+        threads = ThreadPoolExecutor(2, thread_name_prefix=f"rpc-heartbeat-{agent.info.name}")
+        server = grpc.server(
+            threads,
+            options=[*_message_limits(_HEARTBEAT_MESSAGE_LIMIT), _NO_REUSEPORT],
+            maximum_concurrent_rpcs=64,
+        )
+        handler = grpc.unary_unary_rpc_method_handler(self._on_ping)
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, {"Heartbeat": handler}),)
+        )
+        address = f"{bind_host}:0"
+        if options.tls is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, agent._server_credentials())
+        if not bound:
+            raise RpcError(f"worker {agent.info.name!r} cannot listen on {address}")
+        server.start()
+        self._server = server
+        return f"{own_host}:{bound}"
+
+    def _on_ping(self, request: bytes, context: Any) -> bytes:
+        caller, why = self._agent._credentials.check(context.invocation_metadata())
+        if why is not None:
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"worker {self._agent.info.name!r} refused the call: {why}",
+            )
+        if caller is not None:
+            if self._agent.options.identity == "tls" and caller not in _certificate_names(context):
+                context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"the caller's TLS certificate does not name worker {caller!r}",
+                )
+            self.seen(caller)
+        return b""
+
+    def start(self, peers: dict[str, str]) -> None:
+        """Start pinging ``peers`` (name -> heartbeat address)."""
+        now = time.monotonic()
+        self._addresses = dict(peers)
+        self._last_seen = dict.fromkeys(peers, now)
+        self._thread = threading.Thread(
+            target=self._run, name=f"rpc-heartbeat-{self._agent.info.name}", daemon=True
+        )
+        self._thread.start()
+
+    def _ping_stub(self, address: str) -> Any:
+        options = _message_limits(_HEARTBEAT_MESSAGE_LIMIT)
+        tls = self._agent.options.tls
+        if tls is None:
+            channel = grpc.insecure_channel(address, options=options)
+        else:
+            if tls.server_name:
+                options.append(("grpc.ssl_target_name_override", tls.server_name))
+            channel = grpc.secure_channel(
+                address, self._agent._channel_credentials(), options=options
+            )
+        self._channels.append(channel)
+        return channel.unary_unary(f"/{SERVICE}/Heartbeat")
+
+    def _run(self) -> None:
+        agent = self._agent
+        interval, limit = agent.options.heartbeat_interval, agent.options.heartbeat_timeout
+        stubs = {peer: self._ping_stub(address) for peer, address in self._addresses.items()}
+        pending: dict[str, Any] = {}
+        reported: dict[str, float] = {}
+        tick = time.monotonic()
+        while not self._stopping.wait(interval):
+            now = time.monotonic()
+            if now - tick > limit:  # this process was frozen or starved: its view is stale
+                for peer in self._last_seen:
+                    self._last_seen[peer] = now
+            tick = now
+            for peer, stub in stubs.items():
+                if peer not in pending or pending[peer].done():
+                    future = stub.future(b"", timeout=limit, metadata=agent._metadata)
+                    future.add_done_callback(lambda f, peer=peer: self._answered(peer, f))
+                    pending[peer] = future
+                seen = self._last_seen[peer]
+                if now - seen > limit and reported.get(peer) != seen:
+                    reported[peer] = seen  # once per silence
+                    self._to_loop(agent._silent, peer)
+                elif peer in agent._lost and now - seen <= limit:
+                    self._to_loop(agent._heard_from, peer)
+        for future in pending.values():
+            future.cancel()
+
+    def _answered(self, peer: str, future: Any) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.seen(peer)
+
+    def _to_loop(self, callback: Any, peer: str) -> None:
         try:
-            await ping(b"", timeout=limit, metadata=self._metadata)
-        except grpc.aio.AioRpcError:
-            return  # the deadline check in _heartbeats decides
-        self._last_seen[peer] = self.loop.time()
+            self._agent.loop.call_soon_threadsafe(callback, peer)
+        except RuntimeError:
+            self._stopping.set()  # the loop is closed: nobody to tell any more
+
+    def stop(self) -> None:
+        """Stop pinging and serving pings (blocks until the thread ends)."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join()
+        for channel in self._channels:
+            channel.close()
+        self._channels.clear()
+        if self._server is not None:
+            self._server.stop(None)
+
+
+def _certificate_names(context: Any) -> set[str]:
+    # The names in the peer's verified certificate (common name and subject alt. names).
+    auth = context.auth_context() or {}
+    names = set()
+    for key in ("x509_common_name", "x509_subject_alternative_name"):
+        for value in auth.get(key, ()):
+            names.add(value.decode() if isinstance(value, bytes) else str(value))
+    return names
+
+
+def _outward_address(master_addr: str) -> str:
+    # The address of the interface on the route to the master (no packet is sent).
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master_addr, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _torchelastic_master(
+    store_address: tuple[str, int], options: GrpcOptions, publish: str | None
+) -> str:
+    """Publish rank 0's address in torchrun's agent store, or wait for it there."""
+    try:
+        from torch.distributed import TCPStore  # type: ignore[attr-defined,import-not-found,unused-ignore]
+    except ImportError:
+        raise RpcError(
+            "this worker runs under torchrun, whose agent holds MASTER_PORT: finding rank 0 "
+            "needs torch's TCPStore (install torch), or set AIOAUTOGRAD_MASTER_PORT to a free "
+            "port on the master's machine"
+        ) from None
+    host, port = store_address
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"aioautograd/{run}/{restart}/master"
+    timeout = datetime.timedelta(seconds=options.init_timeout)
+    store = TCPStore(host, port, is_master=False, timeout=timeout)
+    try:
+        if publish is not None:
+            store.set(key, publish)
+            return publish
+        return bytes(store.get(key)).decode()
+    except Exception as exc:  # torch's store raises its own error types
+        raise RpcError(f"init_rpc could not find rank 0 through torchrun's store: {exc}") from None
 
 
 def _is_tls_failure(details: str) -> bool:
