@@ -63,8 +63,6 @@ class Executor:
         self.queue = ReadyQueue()
         self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
-        self._busy_lock = threading.Lock()
-        self.busy = 0  # threads currently running a task (for observability and tests)
         # The process's CPU budget (one object, updated in place by set_default_engine).
         self._budget = cpu_budget() if device.type == "cpu" else None
 
@@ -159,17 +157,13 @@ class Executor:
             self._end_work(counted)
 
     def _begin_work(self) -> bool:
-        """Count this thread as busy, and against the CPU budget (waiting for a core);
-        return whether the budget counted it (False on a reentrant run)."""
-        with self._busy_lock:
-            self.busy += 1
+        """Count this thread against the CPU budget (waiting for a core); return whether
+        the budget counted it (False on a reentrant run)."""
         return self._budget is not None and self._budget.enter()
 
     def _end_work(self, counted: bool) -> None:
         if counted:
             self._budget.leave()  # type: ignore[union-attr]
-        with self._busy_lock:
-            self.busy -= 1
 
     def drive(self, graph_task: GraphTask) -> None:
         """Serve this executor's queue on the current thread until ``graph_task`` completes

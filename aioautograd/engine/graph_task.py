@@ -107,7 +107,6 @@ class GraphTask:
         self.final_callbacks: list[Callable[[], Any]] = []
         self.completed = False
         self.owner_queue: ReadyQueue | None = None
-        self.future_result: asyncio.Future[list[Tensor | None]] | None = None
         self._done_future: asyncio.Future[None] | None = None
         self._done_event: threading.Event | None = None
         self._async_context: contextvars.Context | None = None
@@ -307,7 +306,6 @@ class GraphTask:
         completion, then run the post-processing."""
         loop = self.loop
         assert loop is not None
-        self.future_result = loop.create_future()
         context = self._prepare_async_context()
         self.outstanding_tasks = 1
         budget = self.engine.inline_budget_s
@@ -334,22 +332,15 @@ class GraphTask:
                     await self._done_future
                 except asyncio.CancelledError:
                     continue
-            self.future_result.cancel()
             raise
-        try:
-            if self.error is not None:
-                raise self.error
-            self._check_not_ready()
-            events = self._join_leaf_streams()
-            if not _finished_soon(events):
-                # Wait for the device through a thread: the loop keeps serving.
-                await asyncio.to_thread(_synchronize, events)
-            await self._run_final_callbacks()
-        except BaseException as exc:
-            self.future_result.set_exception(exc)
-            self.future_result.exception()  # mark retrieved: the caller gets it raised
-            raise
-        self.future_result.set_result(self.captured_vars)
+        if self.error is not None:
+            raise self.error
+        self._check_not_ready()
+        events = self._join_leaf_streams()
+        if not _finished_soon(events):
+            # Wait for the device through a thread: the loop keeps serving.
+            await asyncio.to_thread(_synchronize, events)
+        await self._run_final_callbacks()
         return self.captured_vars
 
     def run_sync(self, first: NodeTask, device: Device) -> list[Tensor | None]:
