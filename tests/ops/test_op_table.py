@@ -37,7 +37,7 @@ import pytest
 import aioautograd as ag
 from aioautograd.autograd.node import Node
 from aioautograd.nn import functional as F
-from aioautograd.ops import indexing, reduction, unary
+from aioautograd.ops import conv, embedding, indexing, reduction, unary
 from aioautograd.ops._util import Op
 from tests.helpers import to_numpy
 
@@ -103,7 +103,7 @@ def _inplace(method: str, *args: Any) -> Callable[..., Any]:
 
 _CONV_X, _CONV_W = _r(1, 2, 4, 4), _r(3, 2, 2, 2, seed=1)
 # A 2x2 kernel over a 3x3 input padded by 1: each input pixel lies in four windows.
-_GEOMETRY = F._ConvGeometry(
+_GEOMETRY = conv.ConvGeometry(
     input_shape=(1, 1, 3, 3),
     kernel=(2, 2),
     stride=(1, 1),
@@ -416,10 +416,11 @@ CASES: dict[str, Case] = {
         lambda src: indexing.IndexAdd.apply(src, (2, 3), 0, _idx(1, 1, 0)), (_r(3, 3),)
     ),
     "embedding_backward": Case(
-        lambda g: F.EmbeddingBackward.apply(g, _idx([0, 2], [2, 3]), 4, None), (_r(2, 2, 3),)
+        lambda g: embedding.EmbeddingBackward.apply(g, _idx([0, 2], [2, 3]), 4, None),
+        (_r(2, 2, 3),),
     ),
     "col2im": Case(
-        lambda x: F.Col2Im.apply(F.Im2Col.apply(x, _GEOMETRY), _GEOMETRY), (_r(1, 1, 3, 3),)
+        lambda x: conv.Col2Im.apply(conv.Im2Col.apply(x, _GEOMETRY), _GEOMETRY), (_r(1, 1, 3, 3),)
     ),
     "layer_norm": Case(
         lambda x, w, b: F.layer_norm(x, 3, w, b),
@@ -558,3 +559,17 @@ async def test_table_covers_every_op() -> None:
         covered.update(_graph_names([g.grad_fn for g in grads]))
     missing = _op_node_names() - covered
     assert not missing, f"ops without a row in tests/ops/test_op_table.py: {sorted(missing)}"
+
+
+def test_derivative_rules_live_in_ops() -> None:
+    """Every op class is defined under ``aioautograd/ops/``: ``nn.functional`` and the rest
+    of the package call them (one place per derivative)."""
+    _op_node_names()  # imports every module
+    outside = []
+    pending = [Op]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if not cls.__module__.startswith("aioautograd.ops."):
+            outside.append(f"{cls.__module__}.{cls.__qualname__}")
+    assert not outside, f"op classes outside aioautograd/ops/: {outside}"
