@@ -25,7 +25,7 @@ import numpy
 
 from aioautograd.autograd.node import AccumulateGrad
 from aioautograd.devices.device import CPU
-from aioautograd.engine.evaluate import process_task
+from aioautograd.engine.evaluate import evaluate_function
 from aioautograd.engine.input_buffer import buffer_device
 
 if TYPE_CHECKING:
@@ -56,7 +56,8 @@ def qualifies(task: NodeTask, max_elements: int) -> bool:
 
 
 def run_inline(graph_task: GraphTask, first: NodeTask, budget_s: float) -> bool:
-    """Run ``first`` and the CPU tasks it makes ready on this thread, while they qualify.
+    """(loop) Run ``first`` and the CPU tasks it makes ready on this thread, while they
+    qualify.
 
     Returns True when the graph task completed here; otherwise every task left has been
     handed to the executors (call in the graph task's context: ``enter_graph_task``).
@@ -79,7 +80,7 @@ def run_inline(graph_task: GraphTask, first: NodeTask, budget_s: float) -> bool:
             ):
                 break
             heapq.heappop(heap)
-            ready = process_task(task, CPU)
+            ready = evaluate_function(task, CPU)
             if not ready:
                 continue
             for successor in ready:
