@@ -598,6 +598,11 @@ class Tensor:
     ) -> Tensor:
         return reduction.sum(self, dim, keepdim)
 
+    def sum_to_size(self, *size: Any) -> Tensor:
+        """Sum this tensor down to ``size``, to which it must broadcast (PyTorch's
+        ``sum_to_size``): how a broadcast gradient is reduced to its input's shape."""
+        return reduction.sum_to_size(self, _shape_args(size))
+
     def mean(
         self,
         dim: builtins.int | Sequence[builtins.int] | None = None,
@@ -702,6 +707,16 @@ class Tensor:
 
     def copy_(self, src: Any) -> Tensor:
         return inplace.copy_(self, src)
+
+
+_ndarray = np.ndarray
+
+
+def wrap(result: Any, device: Device) -> Tensor:
+    """A tensor holding ``result``; NumPy returns scalars for 0-d results, make them arrays."""
+    if type(result) is not _ndarray and device.xp is np:
+        result = np.asarray(result)
+    return Tensor(result, device)
 
 
 def _shape_args(args: tuple[Any, ...]) -> tuple[int, ...]:

@@ -8,9 +8,9 @@ import numpy as np
 
 from aioautograd.devices.device import Device
 from aioautograd.function import Function
-from aioautograd.tensor import Tensor
+from aioautograd.tensor import Tensor, wrap
 
-_ndarray = np.ndarray
+__all__ = ["Op", "as_tensor_like", "binary_operands", "device_operand", "keep_where", "wrap"]
 
 
 class Op(Function):
@@ -18,13 +18,6 @@ class Op(Function):
 
     _node_suffix = "Backward0"
     _inline_backward = True
-
-
-def wrap(result: Any, device: Device) -> Tensor:
-    """A tensor holding ``result``; NumPy returns scalars for 0-d results, make them arrays."""
-    if type(result) is not _ndarray and device.xp is np:
-        result = np.asarray(result)
-    return Tensor(result, device)
 
 
 def keep_where(xp: Any, mask: Any, values: Any) -> Any:
