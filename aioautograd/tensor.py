@@ -120,7 +120,8 @@ class Tensor:
     # ------------------------------------------------------------------------- attributes
     @property
     def shape(self) -> Shape:
-        return self.data.shape  # type: ignore[no-any-return]
+        shape: Shape = self.data.shape  # Array is Any (NumPy or CuPy): a typed local
+        return shape
 
     def size(self, dim: builtins.int | None = None) -> Any:
         """The shape, or the length of dimension ``dim`` (PyTorch's ``Tensor.size``)."""
@@ -128,14 +129,17 @@ class Tensor:
 
     @property
     def dtype(self) -> np.dtype[Any]:
-        return self.data.dtype  # type: ignore[no-any-return]
+        dtype: np.dtype[Any] = self.data.dtype
+        return dtype
 
     @property
     def ndim(self) -> builtins.int:
-        return self.data.ndim  # type: ignore[no-any-return]
+        ndim: builtins.int = self.data.ndim
+        return ndim
 
     def dim(self) -> builtins.int:
-        return self.data.ndim  # type: ignore[no-any-return]
+        ndim: builtins.int = self.data.ndim
+        return ndim
 
     def numel(self) -> builtins.int:
         return int(self.data.size)
@@ -215,9 +219,9 @@ class Tensor:
     def _get_grad_accumulator(self) -> AccumulateGrad:
         # The leaf holds its accumulator weakly (as PyTorch does); the graph holds it strongly.
         ref = self._grad_accumulator
-        acc = ref() if ref is not None else None
+        acc: AccumulateGrad | None = ref() if ref is not None else None
         if acc is not None:
-            return acc  # type: ignore[no-any-return]
+            return acc
         with _accumulator_lock:
             ref = self._grad_accumulator
             acc = ref() if ref is not None else None
@@ -318,7 +322,8 @@ class Tensor:
                 f"can't convert {self.device} device type tensor to numpy. "
                 "Use Tensor.cpu() to copy the tensor to host memory first."
             )
-        return self.data  # type: ignore[no-any-return]
+        array: np.ndarray[Any, Any] = self.data
+        return array
 
     def tolist(self) -> Any:
         return self.detach().cpu().data.tolist()
@@ -354,7 +359,8 @@ class Tensor:
         return self.data.__dlpack__(*args, **kwargs)
 
     def __dlpack_device__(self) -> tuple[builtins.int, builtins.int]:
-        return self.data.__dlpack_device__()  # type: ignore[no-any-return]
+        device: tuple[builtins.int, builtins.int] = self.data.__dlpack_device__()
+        return device
 
     def to(self, *args: Any, **kwargs: Any) -> Tensor:
         """``to(device)``, ``to(dtype)`` or ``to(device, dtype)``: differentiable copy/cast."""
@@ -430,7 +436,8 @@ class Tensor:
                 "deepcopy protocol; deepcopy tensor.detach() instead"
             )
         if id(self) in memo:
-            return memo[id(self)]  # type: ignore[no-any-return]
+            copied: Tensor = memo[id(self)]
+            return copied
         result = Tensor(self.data.copy(), self.device, self._requires_grad)
         memo[id(self)] = result
         if self._grad is not None:
@@ -445,10 +452,10 @@ class Tensor:
     # ---------------------------------------------------------------------- arithmetic
     # The hottest operators call their Function directly (one Python call fewer per op).
     def __add__(self, other: Any) -> Tensor:
-        return arithmetic.Add.apply(self, other)  # type: ignore[no-any-return]
+        return arithmetic.Add.apply(self, other)
 
     def __radd__(self, other: Any) -> Tensor:
-        return arithmetic.Add.apply(other, self)  # type: ignore[no-any-return]
+        return arithmetic.Add.apply(other, self)
 
     def __sub__(self, other: Any) -> Tensor:
         return arithmetic.sub(self, other)
@@ -457,16 +464,16 @@ class Tensor:
         return arithmetic.sub(other, self)
 
     def __mul__(self, other: Any) -> Tensor:
-        return arithmetic.Mul.apply(self, other)  # type: ignore[no-any-return]
+        return arithmetic.Mul.apply(self, other)
 
     def __rmul__(self, other: Any) -> Tensor:
-        return arithmetic.Mul.apply(other, self)  # type: ignore[no-any-return]
+        return arithmetic.Mul.apply(other, self)
 
     def __truediv__(self, other: Any) -> Tensor:
-        return arithmetic.Div.apply(self, other)  # type: ignore[no-any-return]
+        return arithmetic.Div.apply(self, other)
 
     def __rtruediv__(self, other: Any) -> Tensor:
-        return arithmetic.Div.apply(other, self)  # type: ignore[no-any-return]
+        return arithmetic.Div.apply(other, self)
 
     def __pow__(self, other: Any) -> Tensor:
         return arithmetic.pow(self, other)
@@ -481,7 +488,7 @@ class Tensor:
         return linalg.matmul(other, self)
 
     def __neg__(self) -> Tensor:
-        return arithmetic.Neg.apply(self)  # type: ignore[no-any-return]
+        return arithmetic.Neg.apply(self)
 
     def __pos__(self) -> Tensor:
         return self

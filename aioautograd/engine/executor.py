@@ -118,12 +118,12 @@ class Executor:
 
     def _next_task(self) -> NodeTask | OffloadedCall | None:
         started = time.perf_counter()
-        task = self.queue.pop()
+        task: NodeTask | OffloadedCall | None = self.queue.pop()
         now = time.perf_counter()
         hold = self.engine.policy.gil_hold_s
         if now - started > hold / 4:  # it slept (without the GIL): a fresh hold starts
             worker_state.pause_at = now + hold
-        return task  # type: ignore[no-any-return]
+        return task
 
     def run(self, task: NodeTask | None, drain: bool = False) -> None:
         """Evaluate ``task`` and the chain of same-device successors it makes ready

@@ -147,7 +147,7 @@ def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             f"{weight_t[0]}x{weight_t[1]})"
         )
     if weight.ndim == 2 and input.ndim >= 2:
-        return LinearFunction.apply(input, weight, bias)  # type: ignore[no-any-return]
+        return LinearFunction.apply(input, weight, bias)
     matrix = weight.mT if weight.ndim == 2 else weight
     if input.ndim > 2:
         lead = input.shape[:-1]
@@ -270,7 +270,7 @@ def cross_entropy(
         reduction,
         float(label_smoothing),
     )
-    return CrossEntropy.apply(input, target, setup)  # type: ignore[no-any-return]
+    return CrossEntropy.apply(input, target, setup)
 
 
 # --------------------------------------------------------------------------- embedding
@@ -306,7 +306,7 @@ def embedding(
         padding_idx %= num_weights
     if input.numel() and (bool((input.data < 0).any()) or bool((input.data >= num_weights).any())):
         raise IndexError(f"index out of range in self (num_embeddings is {num_weights})")
-    return Embedding.apply(weight, input, padding_idx)  # type: ignore[no-any-return]
+    return Embedding.apply(weight, input, padding_idx)
 
 
 # -------------------------------------------------------------------------- layer_norm

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -10,7 +10,15 @@ from aioautograd.devices.device import Device
 from aioautograd.function import Function
 from aioautograd.tensor import Tensor, wrap
 
-__all__ = ["Op", "as_tensor_like", "binary_operands", "device_operand", "keep_where", "wrap"]
+__all__ = [
+    "MultiOutputOp",
+    "Op",
+    "as_tensor_like",
+    "binary_operands",
+    "device_operand",
+    "keep_where",
+    "wrap",
+]
 
 
 class Op(Function):
@@ -18,6 +26,23 @@ class Op(Function):
 
     _node_suffix = "Backward0"
     _inline_backward = True
+
+    if TYPE_CHECKING:
+        # ``Function.apply`` as the type checker sees it for a built-in op: one tensor back.
+        # Declared only (no runtime wrapper: ``apply`` is on every op's forward path).
+        @classmethod
+        def apply(cls, *args: Any, **kwargs: Any) -> Tensor: ...
+
+
+class MultiOutputOp(Op):
+    """Base of the built-in ops whose forward returns several tensors (``split``,
+    ``unbind``, ``max`` along a dim)."""
+
+    if TYPE_CHECKING:
+
+        @classmethod
+        def apply(cls, *args: Any, **kwargs: Any) -> tuple[Tensor, ...]:  # type: ignore[override]
+            ...
 
 
 def keep_where(xp: Any, mask: Any, values: Any) -> Any:

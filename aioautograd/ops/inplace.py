@@ -104,7 +104,7 @@ class CopyInplace(Op):
 def add_(x: Tensor, other: Any, alpha: float = 1) -> Tensor:
     """``x += alpha * other`` in place."""
     _check_target(x, other)
-    return AddInplace.apply(x, other, alpha)  # type: ignore[no-any-return]
+    return AddInplace.apply(x, other, alpha)
 
 
 def mul_(x: Tensor, other: Any) -> Tensor:
@@ -113,13 +113,13 @@ def mul_(x: Tensor, other: Any) -> Tensor:
     original = None
     if isinstance(other, Tensor) and other._requires_grad and is_grad_enabled():
         original = x.clone()  # recorded: a keyword, so no edge of the node
-    return MulInplace.apply(x, other, original=original)  # type: ignore[no-any-return]
+    return MulInplace.apply(x, other, original=original)
 
 
 def zero_(x: Tensor) -> Tensor:
     """Fill ``x`` with zeros in place."""
     _check_target(x)
-    return ZeroInplace.apply(x)  # type: ignore[no-any-return]
+    return ZeroInplace.apply(x)
 
 
 def copy_(x: Tensor, src: Any) -> Tensor:
@@ -128,4 +128,4 @@ def copy_(x: Tensor, src: Any) -> Tensor:
     if source.device is not x.device:
         source = source.to(x.device)
     _check_target(x, source)
-    return CopyInplace.apply(x, source)  # type: ignore[no-any-return]
+    return CopyInplace.apply(x, source)

@@ -107,4 +107,4 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
             f"matmul: Input operand inner dimensions do not match: {list(a.shape)} @ "
             f"{list(b.shape)} ({inner_a} != {inner_b})"
         )
-    return MatMul.apply(a, b)  # type: ignore[no-any-return]
+    return MatMul.apply(a, b)

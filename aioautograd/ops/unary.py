@@ -179,7 +179,7 @@ class Relu(Op):
             xp = grad.xp
             out_data = ctx.saved_arrays[0]
             return wrap(keep_where(xp, xp.logical_not(out_data <= 0), grad.data), grad.device)
-        return ThresholdBackward.apply(grad, ctx.saved_tensors[0])  # type: ignore[no-any-return]
+        return ThresholdBackward.apply(grad, ctx.saved_tensors[0])
 
 
 class ThresholdBackward(Op):
@@ -286,72 +286,72 @@ _KAPPA = 0.044715
 
 def clone(x: Tensor) -> Tensor:
     """A copy of ``x`` that stays in the graph."""
-    return Clone.apply(x)  # type: ignore[no-any-return]
+    return Clone.apply(x)
 
 
 def cast(x: Tensor, dtype: Any) -> Tensor:
     """``x`` converted to ``dtype`` (differentiable between floating dtypes)."""
-    return Cast.apply(x, dtype)  # type: ignore[no-any-return]
+    return Cast.apply(x, dtype)
 
 
 def to_device(x: Tensor, device: Device) -> Tensor:
     """A copy of ``x`` on ``device`` (differentiable)."""
-    return ToDevice.apply(x, device)  # type: ignore[no-any-return]
+    return ToDevice.apply(x, device)
 
 
 def exp(x: Tensor) -> Tensor:
     """Elementwise ``e ** x``."""
-    return Exp.apply(x)  # type: ignore[no-any-return]
+    return Exp.apply(x)
 
 
 def log(x: Tensor) -> Tensor:
     """Elementwise natural logarithm."""
-    return Log.apply(x)  # type: ignore[no-any-return]
+    return Log.apply(x)
 
 
 def sqrt(x: Tensor) -> Tensor:
     """Elementwise square root."""
-    return Sqrt.apply(x)  # type: ignore[no-any-return]
+    return Sqrt.apply(x)
 
 
 def abs(x: Tensor) -> Tensor:
     """Elementwise absolute value; the gradient at 0 is 0 (as PyTorch)."""
-    return Abs.apply(x)  # type: ignore[no-any-return]
+    return Abs.apply(x)
 
 
 def sin(x: Tensor) -> Tensor:
     """Elementwise sine."""
-    return Sin.apply(x)  # type: ignore[no-any-return]
+    return Sin.apply(x)
 
 
 def cos(x: Tensor) -> Tensor:
     """Elementwise cosine."""
-    return Cos.apply(x)  # type: ignore[no-any-return]
+    return Cos.apply(x)
 
 
 def tanh(x: Tensor) -> Tensor:
     """Elementwise hyperbolic tangent."""
-    return Tanh.apply(x)  # type: ignore[no-any-return]
+    return Tanh.apply(x)
 
 
 def sigmoid(x: Tensor) -> Tensor:
     """Elementwise logistic function ``1 / (1 + exp(-x))``, computed without overflow."""
-    return Sigmoid.apply(x)  # type: ignore[no-any-return]
+    return Sigmoid.apply(x)
 
 
 def sign(x: Tensor) -> Tensor:
     """Elementwise sign: -1, 0 or 1 (NaN stays NaN); its gradient is zero."""
-    return Sign.apply(x)  # type: ignore[no-any-return]
+    return Sign.apply(x)
 
 
 def relu(x: Tensor) -> Tensor:
     """Elementwise ``max(x, 0)``; the gradient at 0 is 0 (as PyTorch)."""
-    return Relu.apply(x)  # type: ignore[no-any-return]
+    return Relu.apply(x)
 
 
 def erf(x: Tensor) -> Tensor:
     """Elementwise error function (Cody's rational approximation, float64-accurate)."""
-    return Erf.apply(x)  # type: ignore[no-any-return]
+    return Erf.apply(x)
 
 
 def gelu(x: Tensor, approximate: Literal["none", "tanh"] = "none") -> Tensor:
@@ -367,7 +367,7 @@ def gelu(x: Tensor, approximate: Literal["none", "tanh"] = "none") -> Tensor:
     """
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate argument must be either none or tanh, got {approximate!r}")
-    return Gelu.apply(x, approximate)  # type: ignore[no-any-return]
+    return Gelu.apply(x, approximate)
 
 
 def clamp(x: Tensor, min: float | None = None, max: float | None = None) -> Tensor:
@@ -381,4 +381,4 @@ def clamp(x: Tensor, min: float | None = None, max: float | None = None) -> Tens
     """
     if min is None and max is None:
         raise ValueError("clamp: At least one of 'min' or 'max' must not be None")
-    return Clamp.apply(x, min, max)  # type: ignore[no-any-return]
+    return Clamp.apply(x, min, max)
