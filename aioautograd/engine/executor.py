@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy
 
 from aioautograd.devices.cpu_budget import CpuBudget, cpu_budget
+from aioautograd.engine.policy import NUMPY_ERRORS, SLEPT_FRACTION_OF_HOLD
 from aioautograd.engine.ready_queue import ReadyQueue
 
 if TYPE_CHECKING:
@@ -96,9 +97,7 @@ class Executor:
         worker_state.depth = 0
         if self.device.type == "cpu":
             lower_priority(self.engine.policy.worker_nice)
-        # Backward formulas evaluate masked-out branches (pow at 0, log of a clamped value):
-        # like PyTorch, produce inf/nan silently instead of NumPy warnings on this thread.
-        numpy.seterr(all="ignore")
+        numpy.seterr(all=NUMPY_ERRORS)  # once per thread: see policy.NUMPY_ERRORS
 
     def _thread_main(self) -> None:
         self._become_worker()
@@ -121,7 +120,7 @@ class Executor:
         task: NodeTask | OffloadedCall | None = self.queue.pop()
         now = time.perf_counter()
         hold = self.engine.policy.gil_hold_s
-        if now - started > hold / 4:  # it slept (without the GIL): a fresh hold starts
+        if now - started > hold * SLEPT_FRACTION_OF_HOLD:  # it slept: a fresh hold starts
             worker_state.pause_at = now + hold
         return task
 

@@ -27,6 +27,7 @@ from aioautograd.autograd.node import AccumulateGrad
 from aioautograd.devices.device import CPU
 from aioautograd.engine.evaluate import evaluate_function
 from aioautograd.engine.input_buffer import buffer_device
+from aioautograd.engine.policy import NUMPY_ERRORS
 
 if TYPE_CHECKING:
     from aioautograd.engine.graph_task import GraphTask
@@ -72,7 +73,7 @@ def run_inline(graph_task: GraphTask, first: NodeTask, budget_s: float) -> bool:
     deadline = time.perf_counter() + budget_s
     heap: list[tuple[int, int, NodeTask]] = [(-first.key, 0, first)]
     pushed = 0
-    with numpy.errstate(all="ignore"):  # as on the executors: backward formulas may make inf
+    with numpy.errstate(all=NUMPY_ERRORS):  # as on the executors: see policy.NUMPY_ERRORS
         while heap:
             task = heap[0][2]
             if task is not first and (
