@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from aioautograd._typing import Array
 from aioautograd.devices.device import Device
 from aioautograd.function import FunctionCtx
 from aioautograd.grad_mode import _grad_enabled
@@ -176,10 +177,15 @@ class Relu(Op):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         if not _grad_enabled.get():  # nothing to record: ThresholdBackward's forward, inline
-            xp = grad.xp
-            out_data = ctx.saved_arrays[0]
-            return wrap(keep_where(xp, xp.logical_not(out_data <= 0), grad.data), grad.device)
+            return _threshold_backward(grad, ctx.saved_arrays[0])
         return ThresholdBackward.apply(grad, ctx.saved_tensors[0])
+
+
+def _threshold_backward(grad: Tensor, out: Array) -> Tensor:
+    """ReLU's derivative, written once: ``grad`` where the output is > 0, else 0 (at 0 too,
+    as PyTorch). Both the plain backward and ``ThresholdBackward`` (create_graph) run it."""
+    xp = grad.xp
+    return wrap(keep_where(xp, xp.logical_not(out <= 0), grad.data), grad.device)
 
 
 class ThresholdBackward(Op):
@@ -190,8 +196,7 @@ class ThresholdBackward(Op):
     @staticmethod
     def forward(ctx: FunctionCtx, grad: Tensor, out: Tensor) -> Tensor:
         ctx.save_for_backward(out)
-        xp = grad.xp
-        return wrap(keep_where(xp, xp.logical_not(out.data <= 0), grad.data), grad.device)
+        return _threshold_backward(grad, out.data)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
