@@ -9,6 +9,7 @@ import builtins
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -120,8 +121,8 @@ class Tensor:
     # ------------------------------------------------------------------------- attributes
     @property
     def shape(self) -> Shape:
-        shape: Shape = self.data.shape  # Array is Any (NumPy or CuPy): a typed local
-        return shape
+        # Array is Any (NumPy or CuPy); no typed local on these hot properties.
+        return self.data.shape  # type: ignore[no-any-return]
 
     def size(self, dim: builtins.int | None = None) -> Any:
         """The shape, or the length of dimension ``dim`` (PyTorch's ``Tensor.size``)."""
@@ -129,17 +130,14 @@ class Tensor:
 
     @property
     def dtype(self) -> np.dtype[Any]:
-        dtype: np.dtype[Any] = self.data.dtype
-        return dtype
+        return self.data.dtype  # type: ignore[no-any-return]
 
     @property
     def ndim(self) -> builtins.int:
-        ndim: builtins.int = self.data.ndim
-        return ndim
+        return self.data.ndim  # type: ignore[no-any-return]
 
     def dim(self) -> builtins.int:
-        ndim: builtins.int = self.data.ndim
-        return ndim
+        return self.data.ndim  # type: ignore[no-any-return]
 
     def numel(self) -> builtins.int:
         return int(self.data.size)
@@ -297,7 +295,7 @@ class Tensor:
 
         A coroutine: ``await loss.backward()``. See :func:`aioautograd.backward`.
         """
-        await api.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
+        await _engine_api().backward(self, gradient, retain_graph, create_graph, inputs=inputs)
 
     def backward_sync(
         self,
@@ -307,7 +305,7 @@ class Tensor:
         inputs: Tensor | Sequence[Tensor] | None = None,
     ) -> None:
         """Blocking twin of :meth:`backward` for code without a running event loop."""
-        api.backward_sync(self, gradient, retain_graph, create_graph, inputs=inputs)
+        _engine_api().backward_sync(self, gradient, retain_graph, create_graph, inputs=inputs)
 
     # ------------------------------------------------------------------- conversions
     def numpy(self) -> np.ndarray[Any, Any]:
@@ -726,6 +724,21 @@ def wrap(result: Any, device: Device) -> Tensor:
     return Tensor(result, device)
 
 
+_api: ModuleType | None = None
+
+
+def _engine_api() -> ModuleType:
+    """``aioautograd.engine.api``, bound on first use: the one place ``Tensor`` reaches the
+    engine. The engine imports ``Tensor``; importing it back at module level would put the
+    engine in one import cycle with tensor, ops, function and the nodes."""
+    global _api
+    if _api is None:
+        from aioautograd.engine import api
+
+        _api = api
+    return _api
+
+
 def _shape_args(args: tuple[Any, ...]) -> tuple[int, ...]:
     if len(args) == 1 and isinstance(args[0], (tuple, list)):
         return tuple(args[0])
@@ -754,7 +767,6 @@ def _check_grad_assignment(tensor: Tensor, grad: Any) -> None:
 # import statement inside a method costs ~8k instructions per call).
 from aioautograd.autograd.hooks import HookDict, RemovableHandle  # noqa: E402
 from aioautograd.autograd.node import AccumulateGrad  # noqa: E402
-from aioautograd.engine import api  # noqa: E402
 from aioautograd.ops import (  # noqa: E402
     arithmetic,
     indexing,
