@@ -129,17 +129,16 @@ def _materialize(node: BackwardCFunction, grads: Grads) -> None:
 
 
 def _check_gradient_count(node: BackwardCFunction, result: Any) -> Sequence[Tensor | None]:
-    if not isinstance(result, tuple):
-        result = (result,)
+    grads: tuple[Tensor | None, ...] = result if isinstance(result, tuple) else (result,)
     expected = len(node._next_edges)
-    if len(result) != expected:
-        if len(result) > expected and all(r is None for r in result[expected:]):
-            return result[:expected]  # type: ignore[no-any-return]
+    if len(grads) != expected:
+        if len(grads) > expected and all(r is None for r in grads[expected:]):
+            return grads[:expected]
         raise RuntimeError(
             f"function {node.name()} returned an incorrect number of gradients "
-            f"(expected {expected}, got {len(result)})"
+            f"(expected {expected}, got {len(grads)})"
         )
-    return result  # type: ignore[no-any-return]
+    return grads
 
 
 class Function:

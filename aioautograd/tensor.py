@@ -9,6 +9,7 @@ import builtins
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Iterator, Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -120,6 +121,7 @@ class Tensor:
     # ------------------------------------------------------------------------- attributes
     @property
     def shape(self) -> Shape:
+        # Array is Any (NumPy or CuPy); no typed local on these hot properties.
         return self.data.shape  # type: ignore[no-any-return]
 
     def size(self, dim: builtins.int | None = None) -> Any:
@@ -221,9 +223,9 @@ class Tensor:
     def _get_grad_accumulator(self) -> AccumulateGrad:
         # The leaf holds its accumulator weakly (as PyTorch does); the graph holds it strongly.
         ref = self._grad_accumulator
-        acc = ref() if ref is not None else None
+        acc: AccumulateGrad | None = ref() if ref is not None else None
         if acc is not None:
-            return acc  # type: ignore[no-any-return]
+            return acc
         with _accumulator_lock:
             ref = self._grad_accumulator
             acc = ref() if ref is not None else None
@@ -302,7 +304,8 @@ class Tensor:
         says so. See :func:`aioautograd.backward`.
         """
         return track(
-            api._backward(self, gradient, retain_graph, create_graph, inputs), "loss.backward()"
+            _engine_api()._backward(self, gradient, retain_graph, create_graph, inputs),
+            "loss.backward()",
         )
 
     def backward_sync(
@@ -313,7 +316,7 @@ class Tensor:
         inputs: Tensor | Sequence[Tensor] | None = None,
     ) -> None:
         """Blocking twin of :meth:`backward` for code without a running event loop."""
-        api.backward_sync(self, gradient, retain_graph, create_graph, inputs=inputs)
+        _engine_api().backward_sync(self, gradient, retain_graph, create_graph, inputs=inputs)
 
     # ------------------------------------------------------------------- conversions
     def numpy(self) -> np.ndarray[Any, Any]:
@@ -328,7 +331,8 @@ class Tensor:
                 f"can't convert {self.device} device type tensor to numpy. "
                 "Use Tensor.cpu() to copy the tensor to host memory first."
             )
-        return self.data  # type: ignore[no-any-return]
+        array: np.ndarray[Any, Any] = self.data
+        return array
 
     def tolist(self) -> Any:
         return self.detach().cpu().data.tolist()
@@ -364,7 +368,8 @@ class Tensor:
         return self.data.__dlpack__(*args, **kwargs)
 
     def __dlpack_device__(self) -> tuple[builtins.int, builtins.int]:
-        return self.data.__dlpack_device__()  # type: ignore[no-any-return]
+        device: tuple[builtins.int, builtins.int] = self.data.__dlpack_device__()
+        return device
 
     def to(self, *args: Any, **kwargs: Any) -> Tensor:
         """``to(device)``, ``to(dtype)`` or ``to(device, dtype)``: differentiable copy/cast."""
@@ -440,7 +445,8 @@ class Tensor:
                 "deepcopy protocol; deepcopy tensor.detach() instead"
             )
         if id(self) in memo:
-            return memo[id(self)]  # type: ignore[no-any-return]
+            copied: Tensor = memo[id(self)]
+            return copied
         result = Tensor(self.data.copy(), self.device, self._requires_grad)
         memo[id(self)] = result
         if self._grad is not None:
@@ -455,10 +461,10 @@ class Tensor:
     # ---------------------------------------------------------------------- arithmetic
     # The hottest operators call their Function directly (one Python call fewer per op).
     def __add__(self, other: Any) -> Tensor:
-        return arithmetic.Add.apply(self, other)  # type: ignore[no-any-return]
+        return arithmetic.Add.apply(self, other)
 
     def __radd__(self, other: Any) -> Tensor:
-        return arithmetic.Add.apply(other, self)  # type: ignore[no-any-return]
+        return arithmetic.Add.apply(other, self)
 
     def __sub__(self, other: Any) -> Tensor:
         return arithmetic.sub(self, other)
@@ -467,16 +473,16 @@ class Tensor:
         return arithmetic.sub(other, self)
 
     def __mul__(self, other: Any) -> Tensor:
-        return arithmetic.Mul.apply(self, other)  # type: ignore[no-any-return]
+        return arithmetic.Mul.apply(self, other)
 
     def __rmul__(self, other: Any) -> Tensor:
-        return arithmetic.Mul.apply(other, self)  # type: ignore[no-any-return]
+        return arithmetic.Mul.apply(other, self)
 
     def __truediv__(self, other: Any) -> Tensor:
-        return arithmetic.Div.apply(self, other)  # type: ignore[no-any-return]
+        return arithmetic.Div.apply(self, other)
 
     def __rtruediv__(self, other: Any) -> Tensor:
-        return arithmetic.Div.apply(other, self)  # type: ignore[no-any-return]
+        return arithmetic.Div.apply(other, self)
 
     def __pow__(self, other: Any) -> Tensor:
         return arithmetic.pow(self, other)
@@ -491,7 +497,7 @@ class Tensor:
         return linalg.matmul(other, self)
 
     def __neg__(self) -> Tensor:
-        return arithmetic.Neg.apply(self)  # type: ignore[no-any-return]
+        return arithmetic.Neg.apply(self)
 
     def __pos__(self) -> Tensor:
         return self
@@ -608,6 +614,11 @@ class Tensor:
     ) -> Tensor:
         return reduction.sum(self, dim, keepdim)
 
+    def sum_to_size(self, *size: Any) -> Tensor:
+        """Sum this tensor down to ``size``, to which it must broadcast (PyTorch's
+        ``sum_to_size``): how a broadcast gradient is reduced to its input's shape."""
+        return reduction.sum_to_size(self, _shape_args(size))
+
     def mean(
         self,
         dim: builtins.int | Sequence[builtins.int] | None = None,
@@ -714,6 +725,31 @@ class Tensor:
         return inplace.copy_(self, src)
 
 
+_ndarray = np.ndarray
+
+
+def wrap(result: Any, device: Device) -> Tensor:
+    """A tensor holding ``result``; NumPy returns scalars for 0-d results, make them arrays."""
+    if type(result) is not _ndarray and device.xp is np:
+        result = np.asarray(result)
+    return Tensor(result, device)
+
+
+_api: ModuleType | None = None
+
+
+def _engine_api() -> ModuleType:
+    """``aioautograd.engine.api``, bound on first use: the one place ``Tensor`` reaches the
+    engine. The engine imports ``Tensor``; importing it back at module level would put the
+    engine in one import cycle with tensor, ops, function and the nodes."""
+    global _api
+    if _api is None:
+        from aioautograd.engine import api
+
+        _api = api
+    return _api
+
+
 def _shape_args(args: tuple[Any, ...]) -> tuple[int, ...]:
     if len(args) == 1 and isinstance(args[0], (tuple, list)):
         return tuple(args[0])
@@ -742,8 +778,7 @@ def _check_grad_assignment(tensor: Tensor, grad: Any) -> None:
 # import statement inside a method costs ~8k instructions per call).
 from aioautograd.autograd.hooks import HookDict, RemovableHandle  # noqa: E402
 from aioautograd.autograd.node import AccumulateGrad  # noqa: E402
-from aioautograd.engine import api  # noqa: E402
-from aioautograd.engine.unawaited import _pending, check_awaited, track  # noqa: E402
+from aioautograd.autograd.unawaited import _pending, check_awaited, track  # noqa: E402
 from aioautograd.ops import (  # noqa: E402
     arithmetic,
     indexing,

@@ -250,21 +250,26 @@ def accumulate_grad(variable: Tensor, grad: Tensor) -> None:
         variable._grad = _detached_copy(old + grad)
 
 
-def _exclusively_owned(grad: Tensor) -> bool:
-    """True when nobody but the caller references ``grad`` or its array, so it can be kept.
+# The references an exclusively owned gradient has (as CPython 3.11 counts them; a version
+# that counts differently fails tests/engine/test_gradient_stealing.py, both ways). To the
+# tensor: ``AccumulateGrad.apply``'s local, the parameters of ``accumulate_grad`` and of
+# ``_exclusively_owned``, and ``sys.getrefcount``'s argument; to the array: the tensor's
+# ``data`` slot, the local ``data`` and ``getrefcount``'s argument.
+_OWNED_TENSOR_REFS = 4
+_OWNED_ARRAY_REFS = 3
 
-    Expected references to the tensor: ``AccumulateGrad.apply``'s local, the parameters of
-    ``accumulate_grad`` and of this function, and ``sys.getrefcount``'s argument; to the
-    array: the tensor's ``data`` slot, the local ``data`` and ``getrefcount``'s argument.
-    """
+
+def _exclusively_owned(grad: Tensor) -> bool:
+    """True when nobody but the caller references ``grad`` or its array, so that it can be
+    kept as ``.grad`` without a copy (PyTorch's AccumulateGrad "steals" it the same way)."""
     data = grad.data
     return (
         grad.grad_fn is None
         and grad._base is None
         and data.base is None
         and _writeable(data)
-        and sys.getrefcount(grad) <= 4
-        and sys.getrefcount(data) <= 3
+        and sys.getrefcount(grad) <= _OWNED_TENSOR_REFS
+        and sys.getrefcount(data) <= _OWNED_ARRAY_REFS
     )
 
 

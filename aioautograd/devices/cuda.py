@@ -118,7 +118,8 @@ class CudaBackend(Backend):
             yield
 
     def to_host(self, array: Any) -> np.ndarray[Any, Any]:
-        return self.xp.asnumpy(array)  # type: ignore[no-any-return]
+        host: np.ndarray[Any, Any] = self.xp.asnumpy(array)
+        return host
 
     def from_host(self, array: np.ndarray[Any, Any], index: int | None) -> Any:
         with self.xp.cuda.Device(index):

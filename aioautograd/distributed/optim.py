@@ -16,11 +16,11 @@ from collections.abc import Generator, Sequence
 from typing import Any
 
 from aioautograd import optim as local_optim
+from aioautograd.autograd.unawaited import _pending, check_awaited
 from aioautograd.distributed.autograd.dist_engine import INTERNAL_FUNCTIONS, container_of
 from aioautograd.distributed.rpc.registry import INTERNAL_PREFIX, default_name
 from aioautograd.distributed.rpc.rref import RRef
 from aioautograd.distributed.rpc.worker import WorkerInfo, current_agent
-from aioautograd.engine.unawaited import _pending, check_awaited
 from aioautograd.grad_mode import no_grad
 
 CREATE = f"{INTERNAL_PREFIX}dist_optim_create"

@@ -6,8 +6,8 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from aioautograd.autograd.node import Edge
+from aioautograd.autograd.unawaited import track
 from aioautograd.engine.engine import Engine
-from aioautograd.engine.unawaited import track
 from aioautograd.tensor import Tensor
 
 TensorOrTensors = Tensor | Sequence[Tensor]

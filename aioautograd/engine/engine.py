@@ -286,7 +286,8 @@ class Engine:
         self.executor(CPU).queue.push_call(call)
         self.executor(CPU).ensure_started()
         try:
-            return await call.future  # type: ignore[no-any-return]
+            result: T = await call.future
+            return result
         except asyncio.CancelledError:
             call.cancelled = True
             raise

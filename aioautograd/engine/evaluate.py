@@ -3,8 +3,12 @@
 Order, as in PyTorch: tensor pre-hooks (and ``retain_grad``), captures for ``grad()``,
 node pre-hooks, the node, ``validate_outputs``, post-hooks, the anomaly NaN check, release of
 saved tensors, then the dependency bookkeeping that fills input buffers and makes successor
-tasks ready. It runs on an executor thread, or on the awaiting event loop's thread for the
-small nodes that inline execution takes (``inline.py``); ``async`` nodes go to the loop.
+tasks ready (PyTorch's ``call_function`` and the rest of ``evaluate_function``).
+
+Where it runs (see ``graph_task.py`` for the picture): on an executor thread (through
+``evaluate_task``), or on the awaiting event loop's thread for the small CPU nodes that
+inline execution takes (``inline.py``). An ``async`` node's ``apply`` is the one part that
+runs as a task on the loop; its outputs come back here through ``push_continuation``.
 """
 
 from __future__ import annotations
@@ -33,16 +37,17 @@ _NO_INPUTS: Grads = []
 
 
 def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTask | None:
-    """Evaluate ``task``; return a successor to run next on this thread, if any."""
+    """(executor) Evaluate ``task``; return a successor to run next on this thread, if any."""
     device = executor.device
-    ready = process_task(task, device)
+    ready = evaluate_function(task, device)
     if not ready:
         return None
     return engine.dispatch(ready, device)
 
 
-def process_task(task: NodeTask, device: Device) -> list[NodeTask] | None:
-    """Evaluate ``task`` on this thread and return the successor tasks it made ready.
+def evaluate_function(task: NodeTask, device: Device) -> list[NodeTask] | None:
+    """(executor or loop) Evaluate ``task`` on this thread and return the successor tasks it
+    made ready.
 
     Errors fail the graph task (delivered to whoever awaits it) and are not raised here:
     the thread lives on (re-raising would kill a worker and shrink the executor for every

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy
 
 from aioautograd.devices.cpu_budget import CpuBudget, cpu_budget
+from aioautograd.engine.policy import NUMPY_ERRORS, SLEPT_FRACTION_OF_HOLD
 from aioautograd.engine.ready_queue import ReadyQueue
 
 if TYPE_CHECKING:
@@ -63,8 +64,6 @@ class Executor:
         self.queue = ReadyQueue()
         self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
-        self._busy_lock = threading.Lock()
-        self.busy = 0  # threads currently running a task (for observability and tests)
         # The process's CPU budget (one object, updated in place by set_default_engine).
         self._budget = cpu_budget() if device.type == "cpu" else None
 
@@ -98,9 +97,7 @@ class Executor:
         worker_state.depth = 0
         if self.device.type == "cpu":
             lower_priority(self.engine.policy.worker_nice)
-        # Backward formulas evaluate masked-out branches (pow at 0, log of a clamped value):
-        # like PyTorch, produce inf/nan silently instead of NumPy warnings on this thread.
-        numpy.seterr(all="ignore")
+        numpy.seterr(all=NUMPY_ERRORS)  # once per thread: see policy.NUMPY_ERRORS
 
     def _thread_main(self) -> None:
         self._become_worker()
@@ -120,12 +117,12 @@ class Executor:
 
     def _next_task(self) -> NodeTask | OffloadedCall | None:
         started = time.perf_counter()
-        task = self.queue.pop()
+        task: NodeTask | OffloadedCall | None = self.queue.pop()
         now = time.perf_counter()
         hold = self.engine.policy.gil_hold_s
-        if now - started > hold / 4:  # it slept (without the GIL): a fresh hold starts
+        if now - started > hold * SLEPT_FRACTION_OF_HOLD:  # it slept: a fresh hold starts
             worker_state.pause_at = now + hold
-        return task  # type: ignore[no-any-return]
+        return task
 
     def run(self, task: NodeTask | None, drain: bool = False) -> None:
         """Evaluate ``task`` and the chain of same-device successors it makes ready
@@ -159,17 +156,13 @@ class Executor:
             self._end_work(counted)
 
     def _begin_work(self) -> bool:
-        """Count this thread as busy, and against the CPU budget (waiting for a core);
-        return whether the budget counted it (False on a reentrant run)."""
-        with self._busy_lock:
-            self.busy += 1
+        """Count this thread against the CPU budget (waiting for a core); return whether
+        the budget counted it (False on a reentrant run)."""
         return self._budget is not None and self._budget.enter()
 
     def _end_work(self, counted: bool) -> None:
         if counted:
             self._budget.leave()  # type: ignore[union-attr]
-        with self._busy_lock:
-            self.busy -= 1
 
     def drive(self, graph_task: GraphTask) -> None:
         """Serve this executor's queue on the current thread until ``graph_task`` completes

@@ -4,8 +4,33 @@ A graph task is started by a coroutine on the caller's event loop (or, for the `
 twins, by a thread that waits) and then lives on the executors: workers evaluate its nodes,
 count down its ``dependencies``, fill its ``not_ready`` input buffers and push ready tasks.
 The worker that brings ``outstanding_tasks`` to zero signals completion once; the starter
-then runs the post-processing (``mark_as_completed_and_run_post_processing``): the
-``not_ready`` check, the final callbacks in order, and the result.
+then runs :meth:`GraphTask.exec_post_processing`: the error, the ``not_ready`` check, the
+leaf streams, the final callbacks in order, and the result.
+
+The thread boundary. The loop coordinates and is never round-tripped per node; the
+executors do the math and the bookkeeping::
+
+    caller: event loop thread                     executors: worker threads per device
+    -------------------------                     ------------------------------------
+    Engine.execute -> GraphTask.run
+      | inline.run_inline: small CPU nodes run
+      |   here, within the policy's budget   --push-->  Executor.run -> evaluate_task
+      |                                                   -> evaluate_function: hooks,
+      |                                                      node.apply, validate_outputs,
+      |                                                      make successors ready, loop
+      | _run_async_node: awaits an async      <--start_async_node (call_soon_threadsafe)--
+      |   node's apply as a task               --push_continuation-->  evaluate_function
+      | await _done_future                    <--all_tasks_done (call_soon_threadsafe)--
+      | exec_post_processing: device wait in a thread, final callbacks (awaited if async)
+      v result
+
+    run_sync: the same from a blocking thread (no loop): it waits on ``_done_event``; a
+    worker calling it (reentrant backward) serves its own queue meanwhile
+    (``Executor.drive``), and async nodes or callbacks go to the graph task's loop.
+
+Convention: a function at the boundary starts its docstring with where it runs: ``(loop)``,
+``(executor)``, ``(executor or loop)`` (evaluation, which inline mode runs on the loop),
+``(starter)`` (the loop for ``run``, the waiting thread for ``run_sync``) or ``(any)``.
 """
 
 from __future__ import annotations
@@ -17,7 +42,7 @@ import itertools
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -107,7 +132,6 @@ class GraphTask:
         self.final_callbacks: list[Callable[[], Any]] = []
         self.completed = False
         self.owner_queue: ReadyQueue | None = None
-        self.future_result: asyncio.Future[list[Tensor | None]] | None = None
         self._done_future: asyncio.Future[None] | None = None
         self._done_event: threading.Event | None = None
         self._async_context: contextvars.Context | None = None
@@ -219,7 +243,8 @@ class GraphTask:
 
     # --------------------------------------------------------------------- completion
     def task_finished(self) -> None:
-        """Account for one task that ended without producing successors (error or skip)."""
+        """(executor or loop) Account for one task that ended without producing successors
+        (error or skip)."""
         with self.lock:
             self.outstanding_tasks -= 1
             done = self.outstanding_tasks == 0
@@ -227,7 +252,8 @@ class GraphTask:
             self.all_tasks_done()
 
     def all_tasks_done(self) -> None:
-        """Called exactly once, by whoever brought ``outstanding_tasks`` to zero."""
+        """(executor or loop) Called exactly once, by whoever brought ``outstanding_tasks``
+        to zero: wakes the starter."""
         self.completed = True
         if self._done_event is not None:
             self._done_event.set()
@@ -255,7 +281,8 @@ class GraphTask:
         device: Device | None,
         inputs: Sequence[Tensor | None] | None,
     ) -> None:
-        """Fail the graph task with ``exc`` (first error wins); later nodes will not run."""
+        """(any) Fail the graph task with ``exc`` (first error wins); later nodes will not
+        run, and running async nodes are cancelled on the loop."""
         with self.lock:
             if self.has_error:
                 return
@@ -273,12 +300,14 @@ class GraphTask:
 
     # -------------------------------------------------------------------- async nodes
     def start_async_node(self, node: Node, inputs: list[Tensor | None]) -> None:
-        """Run an ``async`` node's ``apply`` as a task on the graph task's event loop."""
+        """(executor) Run an ``async`` node's ``apply`` as a task on the graph task's event
+        loop."""
         loop = self.loop
         assert loop is not None
         loop.call_soon_threadsafe(self._create_async_node_task, node, inputs)
 
     def _create_async_node_task(self, node: Node, inputs: list[Tensor | None]) -> None:
+        """(loop)"""
         if self.has_error:
             self.task_finished()
             return
@@ -290,6 +319,7 @@ class GraphTask:
         task.add_done_callback(self._async_tasks.discard)
 
     async def _run_async_node(self, node: Node, inputs: list[Tensor | None]) -> None:
+        """(loop) Await the node, then hand its outputs back to an executor."""
         try:
             outputs = await node.apply(inputs)  # type: ignore[misc]
         except BaseException as exc:  # includes CancelledError: the task is over either way
@@ -303,11 +333,10 @@ class GraphTask:
 
     # ------------------------------------------------------------------------ running
     async def run(self, first: NodeTask, device: Device) -> list[Tensor | None]:
-        """Start (inline while cheap, see engine/inline.py, else on the executors), await
-        completion, then run the post-processing."""
+        """(loop) Start (inline while cheap, see engine/inline.py, else on the executors),
+        await completion, then run the post-processing."""
         loop = self.loop
         assert loop is not None
-        self.future_result = loop.create_future()
         context = self._prepare_async_context()
         self.outstanding_tasks = 1
         budget = self.engine.inline_budget_s
@@ -334,26 +363,22 @@ class GraphTask:
                     await self._done_future
                 except asyncio.CancelledError:
                     continue
-            self.future_result.cancel()
             raise
+        post = self.exec_post_processing()
         try:
-            if self.error is not None:
-                raise self.error
-            self._check_not_ready()
-            events = self._join_leaf_streams()
-            if not _finished_soon(events):
-                # Wait for the device through a thread: the loop keeps serving.
-                await asyncio.to_thread(_synchronize, events)
-            await self._run_final_callbacks()
-        except BaseException as exc:
-            self.future_result.set_exception(exc)
-            self.future_result.exception()  # mark retrieved: the caller gets it raised
-            raise
-        self.future_result.set_result(self.captured_vars)
+            for pending in post:
+                if isinstance(pending, list):  # device events
+                    if not _finished_soon(pending):
+                        # Wait for the device through a thread: the loop keeps serving.
+                        await asyncio.to_thread(_synchronize, pending)
+                else:
+                    await pending
+        finally:
+            post.close()
         return self.captured_vars
 
     def run_sync(self, first: NodeTask, device: Device) -> list[Tensor | None]:
-        """Blocking twin of :meth:`run` for a thread without a running event loop."""
+        """(starter: a thread without a running event loop) Blocking twin of :meth:`run`."""
         from aioautograd.engine.executor import worker_state
 
         self._done_event = threading.Event()
@@ -364,19 +389,48 @@ class GraphTask:
         if executor is not None:
             executor.drive(self)  # reentrant: serve our own queue while we wait
         self._done_event.wait()
+        post = self.exec_post_processing()
+        try:
+            for pending in post:
+                if isinstance(pending, list):  # device events
+                    _synchronize(pending)
+                else:
+                    self._await_from_thread(pending)
+        finally:
+            post.close()
+        return self.captured_vars
+
+    def exec_post_processing(
+        self,
+    ) -> Generator[list[Event] | Coroutine[Any, Any, Any], None, None]:
+        """(starter) What follows completion, for :meth:`run` and :meth:`run_sync` alike
+        (PyTorch's ``GraphTask::exec_post_processing``): raise the graph task's error, check
+        that every node got all its inputs, join the leaf streams into the caller's, then run
+        the final callbacks in order, each popped under the lock (a callback may queue
+        another), with this graph task current.
+
+        A generator: it yields what the starter must wait for in its own way, the device
+        events (a list) and the coroutines async final callbacks return. The starter closes
+        it when done (``finally``), in its own context.
+        """
         if self.error is not None:
             raise self.error
         self._check_not_ready()
-        _synchronize(self._join_leaf_streams())
+        events = self._join_leaf_streams()
+        if events:
+            yield events
         token = current_graph_task.set(self)
         try:
-            while self.final_callbacks:
-                result = self.final_callbacks.pop(0)()
+            while True:
+                with self.lock:
+                    if not self.final_callbacks:
+                        break
+                    callback = self.final_callbacks.pop(0)
+                result = callback()
                 if asyncio.iscoroutine(result):
-                    self._await_from_thread(result)
+                    yield result
         finally:
             current_graph_task.reset(token)
-        return self.captured_vars
 
     def _await_from_thread(self, coroutine: Any) -> None:
         loop = self.loop
@@ -422,18 +476,6 @@ class GraphTask:
                 "could not compute gradients for some functions: "
                 f"{names} never received all their inputs"
             )
-
-    async def _run_final_callbacks(self) -> None:
-        token = current_graph_task.set(self)
-        try:
-            while self.final_callbacks:
-                with self.lock:
-                    callback = self.final_callbacks.pop(0)
-                result = callback()
-                if asyncio.iscoroutine(result):
-                    await result
-        finally:
-            current_graph_task.reset(token)
 
 
 def _annotate(

@@ -25,8 +25,9 @@ import numpy
 
 from aioautograd.autograd.node import AccumulateGrad
 from aioautograd.devices.device import CPU
-from aioautograd.engine.evaluate import process_task
+from aioautograd.engine.evaluate import evaluate_function
 from aioautograd.engine.input_buffer import buffer_device
+from aioautograd.engine.policy import NUMPY_ERRORS
 
 if TYPE_CHECKING:
     from aioautograd.engine.graph_task import GraphTask
@@ -56,7 +57,8 @@ def qualifies(task: NodeTask, max_elements: int) -> bool:
 
 
 def run_inline(graph_task: GraphTask, first: NodeTask, budget_s: float) -> bool:
-    """Run ``first`` and the CPU tasks it makes ready on this thread, while they qualify.
+    """(loop) Run ``first`` and the CPU tasks it makes ready on this thread, while they
+    qualify.
 
     Returns True when the graph task completed here; otherwise every task left has been
     handed to the executors (call in the graph task's context: ``enter_graph_task``).
@@ -71,7 +73,7 @@ def run_inline(graph_task: GraphTask, first: NodeTask, budget_s: float) -> bool:
     deadline = time.perf_counter() + budget_s
     heap: list[tuple[int, int, NodeTask]] = [(-first.key, 0, first)]
     pushed = 0
-    with numpy.errstate(all="ignore"):  # as on the executors: backward formulas may make inf
+    with numpy.errstate(all=NUMPY_ERRORS):  # as on the executors: see policy.NUMPY_ERRORS
         while heap:
             task = heap[0][2]
             if task is not first and (
@@ -79,7 +81,7 @@ def run_inline(graph_task: GraphTask, first: NodeTask, budget_s: float) -> bool:
             ):
                 break
             heapq.heappop(heap)
-            ready = process_task(task, CPU)
+            ready = evaluate_function(task, CPU)
             if not ready:
                 continue
             for successor in ready:

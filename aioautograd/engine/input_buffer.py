@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from aioautograd.devices.device import CPU, Device
 from aioautograd.grad_mode import _grad_enabled
-from aioautograd.ops._util import wrap
+from aioautograd.tensor import wrap
 
 if TYPE_CHECKING:
     from aioautograd.devices.streams import Stream

@@ -9,6 +9,20 @@ elsewhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
+
+# NumPy's floating-point error handling wherever the engine runs nodes. Backward formulas
+# evaluate masked-out branches (pow at 0, log of a clamped value): like PyTorch, they produce
+# inf/nan silently instead of NumPy warnings. Executor threads set it once per thread
+# (``numpy.seterr``, no per-node cost); inline execution on the loop's thread wraps its run
+# in ``numpy.errstate`` (the loop's own setting is restored). An ``async`` node's backward is
+# user code awaited on the user's loop and keeps the caller's setting: ``errstate`` across an
+# ``await`` is task-safe only from NumPy 2.0, and the package supports 1.26.
+NUMPY_ERRORS: Final = "ignore"
+
+# A worker whose wait for a task lasted more than this fraction of ``gil_hold_s`` slept
+# without the GIL: its hold starts afresh (``Executor._next_task``).
+SLEPT_FRACTION_OF_HOLD: Final = 0.25
 
 
 @dataclass(frozen=True, slots=True)

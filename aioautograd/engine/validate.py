@@ -89,7 +89,7 @@ def _conform(
                 f"Function {_name(producer)} returned an invalid gradient at index {i} - got "
                 f"{list(data.shape)} but expected shape compatible with {list(shape)}"
             )
-        grad = reduction.sum_to_size(grad, shape)
+        grad = grad.sum_to_size(shape)
     if grad.device is not device:
         raise RuntimeError(
             f"Function {_name(producer)} returned an invalid gradient at index {i} - expected "
@@ -109,6 +109,3 @@ def _conform(
 
 def _name(producer: Node | str) -> str:
     return producer if isinstance(producer, str) else producer.name()
-
-
-from aioautograd.ops import reduction  # noqa: E402

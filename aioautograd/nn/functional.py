@@ -1,17 +1,10 @@
 """Functional neural-network ops (``aioautograd.nn.functional``), with PyTorch's signatures.
 
-Most functions are compositions of differentiable tensor ops, so their higher-order
-gradients come for free. Three are dedicated ops here, because composing them would cost
-memory or numerical stability:
-
-- ``cross_entropy`` fuses ``log_softmax`` and the negative log-likelihood: its forward
-  never materialises a one-hot matrix, and its backward, ``(softmax(x) * s - q) * grad``,
-  is written with tensor ops (recomputing ``log_softmax`` differentiably only under
-  ``create_graph=True``).
-- ``embedding`` gathers rows; its backward scatter-adds (repeated indices accumulate) and
-  leaves the ``padding_idx`` row at zero.
-- ``conv2d`` runs on ``Im2Col`` / ``Col2Im``, a pair of linear ops that are each other's
-  backward, followed by one batched matmul per group.
+The thin API: argument checks with PyTorch's messages, then either a composition of
+differentiable tensor ops (higher-order gradients for free) or one of the fused ops of
+``aioautograd/ops/``, where every derivative rule lives: ``linear`` (``ops/linalg.py``),
+``cross_entropy`` (``ops/loss.py``), ``embedding`` (``ops/embedding.py``) and ``conv2d``
+(im2col in ``ops/conv.py``, then one batched matmul per group).
 """
 
 from __future__ import annotations
@@ -19,16 +12,17 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from aioautograd.devices.device import Device
 from aioautograd.factories import as_tensor, generator
 from aioautograd.grad_mode import is_grad_enabled
 from aioautograd.ops import reduction, unary
-from aioautograd.ops._util import Op, wrap
+from aioautograd.ops.conv import ConvGeometry, Im2Col
+from aioautograd.ops.embedding import Embedding
+from aioautograd.ops.linalg import LinearFunction
+from aioautograd.ops.loss import CrossEntropy, CrossEntropySetup
 from aioautograd.tensor import Tensor
 
 __all__ = [
@@ -129,32 +123,6 @@ def dropout(input: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
 
 
 # ---------------------------------------------------------------------------- linear
-class LinearFunction(Op):
-    """``input @ weight.T + bias`` as one node: its backward computes the weight gradient
-    as ``grad.T @ input``, contiguous in the weight's layout (no transposed copy in
-    ``AccumulateGrad``), with leading input dimensions folded into one product."""
-
-    @staticmethod
-    def forward(ctx: Any, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        lead = input.shape[:-1]
-        rows = input.data.reshape(-1, input.shape[-1])
-        out = input.device.backend.matmul(rows, weight.data.T)
-        if bias is not None:
-            out += bias.data
-        ctx.save_for_backward(input, weight)
-        return wrap(out.reshape((*lead, weight.shape[0])), input.device)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        input, weight = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        rows = grad.reshape(-1, weight.shape[0])
-        grad_input = (rows @ weight).reshape(input.shape) if needs[0] else None
-        grad_weight = rows.mT @ input.reshape(-1, weight.shape[1]) if needs[1] else None
-        grad_bias = rows.sum(0) if needs[2] else None
-        return grad_input, grad_weight, grad_bias
-
-
 def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``input @ weight.T + bias`` with ``weight`` of shape ``(out_features, in_features)``.
 
@@ -179,7 +147,7 @@ def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             f"{weight_t[0]}x{weight_t[1]})"
         )
     if weight.ndim == 2 and input.ndim >= 2:
-        return LinearFunction.apply(input, weight, bias)  # type: ignore[no-any-return]
+        return LinearFunction.apply(input, weight, bias)
     matrix = weight.mT if weight.ndim == 2 else weight
     if input.ndim > 2:
         lead = input.shape[:-1]
@@ -224,206 +192,6 @@ def mse_loss(
     if reduction == "sum":
         return loss.sum()
     return loss
-
-
-@dataclass(frozen=True)
-class _CrossEntropySetup:
-    """The validated, non-tensor arguments of one ``cross_entropy`` call."""
-
-    class_dim: int
-    num_classes: int
-    class_indices: bool
-    weight: Any  # the weight's array, or None
-    ignore_index: int
-    reduction: str
-    label_smoothing: float
-
-    def broadcast_shape(self, ndim: int) -> tuple[int, ...]:
-        """``(C, 1, ..., 1)``: the weight lined up with the class dimension."""
-        return (self.num_classes,) + (1,) * (ndim - self.class_dim - 1)
-
-    def broadcast_weight(self, input: Tensor) -> Tensor | None:
-        if self.weight is None:
-            return None
-        return Tensor(self.weight.reshape(self.broadcast_shape(input.ndim)), input.device)
-
-
-class CrossEntropy(Op):
-    """Fused ``log_softmax`` + negative log-likelihood over ``class_dim``.
-
-    Both target kinds reduce to one formula: per position ``loss = -sum_c q_c * logp_c``,
-    where ``q`` is the weighted, smoothed target distribution. Then
-    ``d loss / d x = softmax(x) * sum_c q_c - q``.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        input: Tensor,
-        target: Tensor,
-        setup: _CrossEntropySetup,
-    ) -> Tensor:
-        xp = input.xp
-        dim = setup.class_dim
-        shifted = input.data - input.data.max(axis=dim, keepdims=True)
-        log_probs = shifted - xp.log(xp.exp(shifted).sum(axis=dim, keepdims=True))
-        if setup.class_indices:
-            losses, denominator, class_targets = _class_index_losses(
-                xp, log_probs, target.data, setup, input.device
-            )
-            ctx.class_targets = class_targets
-        else:
-            losses, denominator = _probability_losses(xp, log_probs, target.data, setup)
-        if ctx.needs_input_grad:
-            ctx.save_for_backward(input, target, Tensor(log_probs, input.device))
-            ctx.setup, ctx.denominator = setup, denominator
-            ctx.saved_device = input.device
-        if setup.reduction == "none":
-            return wrap(losses, input.device)
-        total = losses.sum()
-        if setup.reduction == "sum":
-            return wrap(total, input.device)
-        with np.errstate(invalid="ignore", divide="ignore"):  # all targets ignored: nan
-            return wrap(total / denominator, input.device)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
-        setup: _CrossEntropySetup = ctx.setup
-        dim = setup.class_dim
-        needs = ctx.needs_input_grad
-        if setup.class_indices and needs[0] and not is_grad_enabled():
-            # Nothing to record (a plain backward): the formula below on the arrays.
-            xp, g = grad.xp, grad.data
-            if setup.reduction == "none":
-                g = xp.expand_dims(g, dim)
-            elif setup.reduction == "mean":
-                g = g / ctx.denominator
-            return _class_index_grad(ctx, xp, g, setup), None, None
-        input, target, saved_log_probs = ctx.saved_tensors
-        # Under create_graph the gradient must depend on the input differentiably.
-        log_probs = input.log_softmax(dim) if is_grad_enabled() else saved_log_probs
-        if setup.reduction == "none":
-            grad = grad.unsqueeze(dim)
-        elif setup.reduction == "mean":
-            grad = grad / ctx.denominator
-        weight = setup.broadcast_weight(input)
-        grad_input = grad_target = None
-        if needs[0]:
-            if setup.class_indices:
-                q, total = _class_index_distribution(input, target, setup)
-            else:
-                q = target
-                if setup.label_smoothing:
-                    smoothing = setup.label_smoothing
-                    q = q * (1.0 - smoothing) + smoothing / setup.num_classes
-                if weight is not None:
-                    q = q * weight
-                total = q.sum(dim, keepdim=True)
-            grad_input = (log_probs.exp() * total - q) * grad
-        if needs[1]:  # probability targets only: integer targets never require grad
-            scale = -(1.0 - setup.label_smoothing)
-            grad_target = log_probs * (scale if weight is None else weight * scale) * grad
-        return grad_input, grad_target, None
-
-
-def _class_index_grad(ctx: Any, xp: Any, g: Any, setup: _CrossEntropySetup) -> Tensor:
-    """``(softmax(x) * sum_c q - q) * g`` for class-index targets, on the arrays."""
-    input_data, target, log_probs = ctx.saved_arrays
-    probs = xp.exp(log_probs)
-    if setup.weight is None and not setup.label_smoothing and probs.ndim == 2:
-        # q is the one-hot of the target (zero on ignored rows): subtract it in place. No
-        # branch on the data (a host sync on a GPU): ignored rows are zeroed and subtract 0.
-        safe, target_weight = ctx.class_targets  # forward's
-        probs *= xp.expand_dims(target_weight, 1)
-        probs[xp.arange(target.shape[0]), safe] -= target_weight
-        probs *= g
-        return wrap(probs, ctx.saved_device)
-    device = ctx.saved_device
-    q, total = _class_index_distribution(Tensor(input_data, device), Tensor(target, device), setup)
-    return wrap((probs * total.data - q.data) * g, device)
-
-
-def _target_weights(
-    xp: Any, target: Any, setup: _CrossEntropySetup, dtype: Any, device: Device
-) -> tuple[Any, Any, Any]:
-    """``(valid, safe_target, target_weight)`` per position: ignored positions are not valid,
-    point at class 0 and weigh 0.
-
-    A class index out of range raises ``IndexError`` on the CPU. On an accelerator that
-    check would block the host until the device has caught up (as PyTorch, which asserts on
-    the device instead): there such a position points at class 0 and weighs NaN, so that the
-    loss and its gradient are NaN.
-    """
-    valid = target != setup.ignore_index
-    safe = xp.where(valid, target, 0)
-    out_of_range = (safe < 0) | (safe >= setup.num_classes)
-    if device.has_streams:
-        safe = xp.where(out_of_range, 0, safe)
-    elif bool(out_of_range.any()):
-        raise IndexError(f"Target {int(target[out_of_range].ravel()[0])} is out of bounds.")
-    if setup.weight is None:
-        target_weight = valid.astype(dtype)
-    else:
-        target_weight = xp.where(valid, setup.weight[safe], 0).astype(dtype, copy=False)
-    if device.has_streams:
-        target_weight = xp.where(out_of_range, np.nan, target_weight)
-    return valid, safe, target_weight
-
-
-def _class_index_losses(
-    xp: Any, log_probs: Any, target: Any, setup: _CrossEntropySetup, device: Device
-) -> tuple[Any, Any, tuple[Any, Any]]:
-    """Per-position losses, their total weight, and ``(safe_target, target_weight)``."""
-    dim, smoothing = setup.class_dim, setup.label_smoothing
-    valid, safe, target_weight = _target_weights(xp, target, setup, log_probs.dtype, device)
-    picked = xp.take_along_axis(log_probs, xp.expand_dims(safe, dim), axis=dim)
-    losses = -(1.0 - smoothing) * target_weight * picked.squeeze(dim)
-    if smoothing:
-        weighted = log_probs
-        if setup.weight is not None:
-            weighted = log_probs * setup.weight.reshape(setup.broadcast_shape(log_probs.ndim))
-        smooth = -weighted.sum(axis=dim) * valid
-        losses = losses + (smoothing / setup.num_classes) * smooth
-    return losses, target_weight.sum(), (safe, target_weight)
-
-
-def _class_index_distribution(
-    input: Tensor,
-    target: Tensor,
-    setup: _CrossEntropySetup,
-) -> tuple[Tensor, Tensor]:
-    """The constant ``q`` (input's shape) and ``sum_c q`` (class dim kept) of class targets."""
-    xp, dim, smoothing = input.xp, setup.class_dim, setup.label_smoothing
-    valid, safe, target_weight = _target_weights(xp, target.data, setup, input.dtype, input.device)
-    if setup.weight is None:
-        weight_sum, weight = setup.num_classes, 1.0
-    else:
-        weight_sum = setup.weight.sum()
-        weight = setup.weight.reshape(setup.broadcast_shape(input.ndim))
-    classes = xp.arange(setup.num_classes).reshape(setup.broadcast_shape(input.ndim))
-    one_hot = classes == xp.expand_dims(safe, dim)
-    q = one_hot * xp.expand_dims((1.0 - smoothing) * target_weight, dim)
-    total = (1.0 - smoothing) * target_weight
-    if smoothing:
-        uniform = smoothing / setup.num_classes
-        valid = valid.astype(input.dtype)  # bool * float would promote to float64
-        q = q + uniform * weight * xp.expand_dims(valid, dim)
-        total = total + uniform * weight_sum * valid
-    q = q.astype(input.dtype, copy=False)
-    total = xp.expand_dims(total, dim).astype(input.dtype, copy=False)
-    return Tensor(q, input.device), Tensor(total, input.device)
-
-
-def _probability_losses(
-    xp: Any, log_probs: Any, target: Any, setup: _CrossEntropySetup
-) -> tuple[Any, Any]:
-    q = target
-    if setup.label_smoothing:
-        q = target * (1.0 - setup.label_smoothing) + setup.label_smoothing / setup.num_classes
-    if setup.weight is not None:
-        q = q * setup.weight.reshape(setup.broadcast_shape(log_probs.ndim))
-    losses = -(log_probs * q).sum(axis=setup.class_dim)
-    return losses, xp.asarray(log_probs.size / setup.num_classes, dtype=log_probs.dtype)
 
 
 def cross_entropy(
@@ -493,7 +261,7 @@ def cross_entropy(
         if weight.requires_grad and is_grad_enabled():
             raise RuntimeError("cross_entropy: the derivative for 'weight' is not implemented")
         weight_data = weight.data.astype(input.dtype, copy=False)
-    setup = _CrossEntropySetup(
+    setup = CrossEntropySetup(
         class_dim,
         num_classes,
         class_indices,
@@ -502,57 +270,10 @@ def cross_entropy(
         reduction,
         float(label_smoothing),
     )
-    return CrossEntropy.apply(input, target, setup)  # type: ignore[no-any-return]
+    return CrossEntropy.apply(input, target, setup)
 
 
 # --------------------------------------------------------------------------- embedding
-class Embedding(Op):
-    """Rows ``weight[indices]``; the backward scatter-adds into the rows (no padding row)."""
-
-    @staticmethod
-    def forward(ctx: Any, weight: Tensor, indices: Tensor, padding_idx: int | None) -> Tensor:
-        if ctx.needs_input_grad:
-            ctx.save_for_backward(indices)
-            ctx.num_weights, ctx.padding_idx = weight.shape[0], padding_idx
-        return Tensor(weight.xp.take(weight.data, indices.data, axis=0), weight.device)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        (indices,) = ctx.saved_tensors
-        grad_weight = EmbeddingBackward.apply(grad, indices, ctx.num_weights, ctx.padding_idx)
-        return grad_weight, None, None
-
-
-class EmbeddingBackward(Op):
-    """Scatter-add ``grad`` rows into a zero ``(num_weights, D)`` matrix at ``indices``."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int | None
-    ) -> Tensor:
-        if ctx.needs_input_grad:
-            ctx.save_for_backward(indices)
-            ctx.num_weights, ctx.padding_idx = num_weights, padding_idx
-        xp = grad.xp
-        width = grad.shape[indices.ndim :]
-        out = xp.zeros((num_weights, *width), dtype=grad.dtype)
-        xp.add.at(out, indices.data.reshape(-1), grad.data.reshape((-1, *width)))
-        if padding_idx is not None:
-            out[padding_idx] = 0
-        return Tensor(out, grad.device)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        # The adjoint of scatter-add is a gather; the padding row received nothing, so
-        # positions pointing at it get nothing back.
-        if ctx.padding_idx is not None:
-            keep = grad.xp.ones((ctx.num_weights,) + (1,) * (grad.ndim - 1), dtype=grad.dtype)
-            keep[ctx.padding_idx] = 0
-            grad = grad * Tensor(keep, grad.device)
-        (indices,) = ctx.saved_tensors
-        return Embedding.apply(grad, indices, ctx.padding_idx), None, None, None
-
-
 def embedding(
     input: Tensor,
     weight: Tensor,
@@ -585,7 +306,7 @@ def embedding(
         padding_idx %= num_weights
     if input.numel() and (bool((input.data < 0).any()) or bool((input.data >= num_weights).any())):
         raise IndexError(f"index out of range in self (num_embeddings is {num_weights})")
-    return Embedding.apply(weight, input, padding_idx)  # type: ignore[no-any-return]
+    return Embedding.apply(weight, input, padding_idx)
 
 
 # -------------------------------------------------------------------------- layer_norm
@@ -629,86 +350,6 @@ def layer_norm(
 
 
 # ------------------------------------------------------------------------------ conv2d
-@dataclass(frozen=True)
-class _ConvGeometry:
-    """Where the windows of a 2-D convolution lie in its (N, C, H, W) input."""
-
-    input_shape: tuple[int, int, int, int]
-    kernel: tuple[int, int]
-    stride: tuple[int, int]
-    padding: tuple[tuple[int, int], tuple[int, int]]  # (top, bottom), (left, right)
-    dilation: tuple[int, int]
-    output: tuple[int, int]
-
-    def padded_shape(self) -> tuple[int, int, int, int]:
-        n, c, h, w = self.input_shape
-        (top, bottom), (left, right) = self.padding
-        return n, c, h + top + bottom, w + left + right
-
-    def window(self, i: int, j: int) -> tuple[slice, slice]:
-        """The rows and columns of the padded input that kernel tap ``(i, j)`` reads."""
-        row = i * self.dilation[0]
-        col = j * self.dilation[1]
-        (out_h, out_w), (stride_h, stride_w) = self.output, self.stride
-        return (
-            slice(row, row + stride_h * (out_h - 1) + 1, stride_h),
-            slice(col, col + stride_w * (out_w - 1) + 1, stride_w),
-        )
-
-
-class Im2Col(Op):
-    """``(N, C, H, W)`` -> ``(C, kh, kw, N, OH, OW)``: every kernel tap's view of the input.
-
-    Channels lead so that ``reshape(groups, C/groups * kh * kw, N * OH * OW)`` is free and
-    the convolution is one matrix product per group (batch folded into the columns).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, geometry: _ConvGeometry) -> Tensor:
-        ctx.geometry = geometry
-        xp, data = x.xp, x.data
-        (top, bottom), (left, right) = geometry.padding
-        if top or bottom or left or right:
-            data = xp.pad(data, ((0, 0), (0, 0), (top, bottom), (left, right)))
-        n, c = geometry.input_shape[:2]
-        (kh, kw), (out_h, out_w) = geometry.kernel, geometry.output
-        cols = xp.empty((c, kh, kw, n, out_h, out_w), dtype=data.dtype)
-        for i in range(kh):
-            for j in range(kw):
-                rows, columns = geometry.window(i, j)
-                cols[:, i, j] = data[:, :, rows, columns].transpose(1, 0, 2, 3)
-        return Tensor(cols, x.device)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return Col2Im.apply(grad, ctx.geometry), None
-
-
-class Col2Im(Op):
-    """The adjoint of :class:`Im2Col`: add every tap's columns back onto the input grid."""
-
-    @staticmethod
-    def forward(ctx: Any, cols: Tensor, geometry: _ConvGeometry) -> Tensor:
-        ctx.geometry = geometry
-        xp, data = cols.xp, cols.data
-        out = xp.zeros(geometry.padded_shape(), dtype=data.dtype)
-        kh, kw = geometry.kernel
-        for i in range(kh):
-            for j in range(kw):
-                rows, columns = geometry.window(i, j)
-                # Within one tap the strided positions are distinct, so += is a scatter-add.
-                out[:, :, rows, columns] += data[:, i, j].transpose(1, 0, 2, 3)
-        (top, bottom), (left, right) = geometry.padding
-        if top or bottom or left or right:
-            height, width = geometry.input_shape[2:]
-            out = xp.ascontiguousarray(out[:, :, top : top + height, left : left + width])
-        return Tensor(out, cols.device)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return Im2Col.apply(grad, ctx.geometry), None
-
-
 def _pair(value: int | Sequence[int], name: str) -> tuple[int, int]:
     if isinstance(value, int):
         return value, value
@@ -823,7 +464,7 @@ def conv2d(
         (padded[0] - extent[0]) // stride_pair[0] + 1,
         (padded[1] - extent[1]) // stride_pair[1] + 1,
     )
-    geometry = _ConvGeometry(
+    geometry = ConvGeometry(
         (n, channels, height, width), kernel, stride_pair, pad, dilation_pair, output
     )
     cols: Tensor = Im2Col.apply(input, geometry)

@@ -504,7 +504,8 @@ def _zero_grads(params: Iterator[Tensor] | list[Tensor], set_to_none: bool) -> N
 def _numpy_copy(tensor: Tensor) -> np.ndarray[Any, Any]:
     data = tensor.data
     if tensor.device.type == "cuda":
-        return data.get()  # type: ignore[no-any-return]  # cupy -> a new NumPy array
+        host: np.ndarray[Any, Any] = data.get()  # cupy -> a new NumPy array
+        return host
     return np.array(data, copy=True)
 
 

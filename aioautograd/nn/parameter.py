@@ -47,7 +47,8 @@ class Parameter(Tensor):
         # A fresh leaf: copying the slots would share this parameter's gradient accumulator,
         # so the copy's gradients would land in this parameter's ``.grad``.
         if id(self) in memo:
-            return memo[id(self)]  # type: ignore[no-any-return]
+            copied: Parameter = memo[id(self)]
+            return copied
         result = Parameter(Tensor(self.xp.array(self.data, copy=True), self.device))
         result.requires_grad = self.requires_grad
         memo[id(self)] = result

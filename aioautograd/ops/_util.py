@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from aioautograd.devices.device import Device
 from aioautograd.function import Function
-from aioautograd.tensor import Tensor
+from aioautograd.tensor import Tensor, wrap
 
-_ndarray = np.ndarray
+__all__ = [
+    "MultiOutputOp",
+    "Op",
+    "as_tensor_like",
+    "binary_operands",
+    "device_operand",
+    "keep_where",
+    "wrap",
+]
 
 
 class Op(Function):
@@ -19,12 +27,22 @@ class Op(Function):
     _node_suffix = "Backward0"
     _inline_backward = True
 
+    if TYPE_CHECKING:
+        # ``Function.apply`` as the type checker sees it for a built-in op: one tensor back.
+        # Declared only (no runtime wrapper: ``apply`` is on every op's forward path).
+        @classmethod
+        def apply(cls, *args: Any, **kwargs: Any) -> Tensor: ...
 
-def wrap(result: Any, device: Device) -> Tensor:
-    """A tensor holding ``result``; NumPy returns scalars for 0-d results, make them arrays."""
-    if type(result) is not _ndarray and device.xp is np:
-        result = np.asarray(result)
-    return Tensor(result, device)
+
+class MultiOutputOp(Op):
+    """Base of the built-in ops whose forward returns several tensors (``split``,
+    ``unbind``, ``max`` along a dim)."""
+
+    if TYPE_CHECKING:
+
+        @classmethod
+        def apply(cls, *args: Any, **kwargs: Any) -> tuple[Tensor, ...]:  # type: ignore[override]
+            ...
 
 
 def keep_where(xp: Any, mask: Any, values: Any) -> Any:

@@ -189,8 +189,8 @@ def getitem(x: Tensor, index: Any) -> Tensor:
     """
     data = _index_data(index, x.xp)
     if _is_basic(data):
-        return GetItem.apply(x, _as_view_index(data))  # type: ignore[no-any-return]
-    return Index.apply(x, data)  # type: ignore[no-any-return]
+        return GetItem.apply(x, _as_view_index(data))
+    return Index.apply(x, data)
 
 
 def _check_index(name: str, x: Tensor, index: Any) -> None:
@@ -229,7 +229,7 @@ def gather(x: Tensor, dim: int, index: Tensor) -> Tensor:
                 f"Size does not match at dimension {axis} expected index {list(index.shape)} "
                 f"to be no larger than self {list(x.shape)} apart from dimension {d}"
             )
-    return Gather.apply(x, d, index)  # type: ignore[no-any-return]
+    return Gather.apply(x, d, index)
 
 
 def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
@@ -252,4 +252,4 @@ def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
         index = Tensor(index.data.reshape(1), index.device)
     if x.ndim == 0:
         return index_select(x.reshape(1), 0, index).reshape(())
-    return IndexSelect.apply(x, d, index)  # type: ignore[no-any-return]
+    return IndexSelect.apply(x, d, index)

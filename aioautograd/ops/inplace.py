@@ -49,13 +49,15 @@ class AddInplace(Op):
 
 class MulInplace(Op):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, other: Any) -> Tensor:
+    def forward(ctx: Any, x: Tensor, other: Any, original: Tensor | None = None) -> Tensor:
         needs = ctx.needs_input_grad
         other_data = other.data if isinstance(other, Tensor) else device_operand(other, x.device)
         if needs:
-            # d(x*other)/d(other) needs x *before* the update.
-            original = Tensor(x.data.copy(), x.device) if needs[1] else None
-            ctx.save_for_backward(original, other if isinstance(other, Tensor) else None)
+            # d(x*other)/d(other) needs x *before* the update: ``original``, cloned by
+            # ``mul_`` with x's history so that it stays differentiable (create_graph).
+            ctx.save_for_backward(
+                original if needs[1] else None, other if isinstance(other, Tensor) else None
+            )
             ctx.scalar = other_data
         x.xp.multiply(x.data, other_data, out=x.data, casting="same_kind")
         ctx.mark_dirty(x)
@@ -102,19 +104,22 @@ class CopyInplace(Op):
 def add_(x: Tensor, other: Any, alpha: float = 1) -> Tensor:
     """``x += alpha * other`` in place."""
     _check_target(x, other)
-    return AddInplace.apply(x, other, alpha)  # type: ignore[no-any-return]
+    return AddInplace.apply(x, other, alpha)
 
 
 def mul_(x: Tensor, other: Any) -> Tensor:
     """``x *= other`` in place."""
     _check_target(x, other)
-    return MulInplace.apply(x, other)  # type: ignore[no-any-return]
+    original = None
+    if isinstance(other, Tensor) and other._requires_grad and is_grad_enabled():
+        original = x.clone()  # recorded: a keyword, so no edge of the node
+    return MulInplace.apply(x, other, original=original)
 
 
 def zero_(x: Tensor) -> Tensor:
     """Fill ``x`` with zeros in place."""
     _check_target(x)
-    return ZeroInplace.apply(x)  # type: ignore[no-any-return]
+    return ZeroInplace.apply(x)
 
 
 def copy_(x: Tensor, src: Any) -> Tensor:
@@ -123,4 +128,4 @@ def copy_(x: Tensor, src: Any) -> Tensor:
     if source.device is not x.device:
         source = source.to(x.device)
     _check_target(x, source)
-    return CopyInplace.apply(x, source)  # type: ignore[no-any-return]
+    return CopyInplace.apply(x, source)

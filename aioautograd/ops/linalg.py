@@ -56,6 +56,32 @@ class MatMul(Op):
         return grad_a, grad_b
 
 
+class LinearFunction(Op):
+    """``input @ weight.T + bias`` as one node: its backward computes the weight gradient
+    as ``grad.T @ input``, contiguous in the weight's layout (no transposed copy in
+    ``AccumulateGrad``), with leading input dimensions folded into one product."""
+
+    @staticmethod
+    def forward(ctx: Any, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        lead = input.shape[:-1]
+        rows = input.data.reshape(-1, input.shape[-1])
+        out = input.device.backend.matmul(rows, weight.data.T)
+        if bias is not None:
+            out += bias.data
+        ctx.save_for_backward(input, weight)
+        return wrap(out.reshape((*lead, weight.shape[0])), input.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        input, weight = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        rows = grad.reshape(-1, weight.shape[0])
+        grad_input = (rows @ weight).reshape(input.shape) if needs[0] else None
+        grad_weight = rows.mT @ input.reshape(-1, weight.shape[1]) if needs[1] else None
+        grad_bias = rows.sum(0) if needs[2] else None
+        return grad_input, grad_weight, grad_bias
+
+
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """Matrix product of ``a`` and ``b`` with the semantics of ``numpy.matmul``.
 
@@ -81,4 +107,4 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
             f"matmul: Input operand inner dimensions do not match: {list(a.shape)} @ "
             f"{list(b.shape)} ({inner_a} != {inner_b})"
         )
-    return MatMul.apply(a, b)  # type: ignore[no-any-return]
+    return MatMul.apply(a, b)

@@ -12,7 +12,7 @@ import numpy as np
 
 from aioautograd._typing import Array, Shape
 from aioautograd.grad_mode import _grad_enabled
-from aioautograd.ops._util import Op, wrap
+from aioautograd.ops._util import MultiOutputOp, Op, wrap
 from aioautograd.ops.arithmetic import maximum, minimum, where
 from aioautograd.ops.unary import exp
 from aioautograd.tensor import Tensor
@@ -147,7 +147,7 @@ MaxAll: type[_Extreme] = type("Max", (_Extreme,), {"_node_suffix": "Backward1"})
 MinAll: type[_Extreme] = type("Min", (_Extreme,), {"_node_suffix": "Backward1"})
 
 
-class _ExtremeDim(Op):
+class _ExtremeDim(MultiOutputOp):
     """Max or min along ``dim`` with indices; the gradient flows to the index position."""
 
     @staticmethod
@@ -312,14 +312,14 @@ MeanDim: type[Mean] = type("Mean", (Mean,), {"_node_suffix": "Backward1"})
 def sum(x: Tensor, dim: Dims = None, keepdim: bool = False) -> Tensor:
     """Sum over ``dim`` (all dimensions by default)."""
     op = Sum if dim is None else SumDim
-    return op.apply(x, dim, keepdim)  # type: ignore[no-any-return]
+    return op.apply(x, dim, keepdim)
 
 
 def sum_to_size(x: Tensor, shape: Shape) -> Tensor:
     """Sum ``x`` down to ``shape``, which must broadcast to ``x.shape``."""
     if tuple(x.shape) == tuple(shape):
         return x
-    return SumToSize.apply(x, tuple(shape))  # type: ignore[no-any-return]
+    return SumToSize.apply(x, tuple(shape))
 
 
 def mean(x: Tensor, dim: Dims = None, keepdim: bool = False) -> Tensor:
@@ -330,7 +330,7 @@ def mean(x: Tensor, dim: Dims = None, keepdim: bool = False) -> Tensor:
             f"{x.dtype}"
         )
     op = Mean if dim is None else MeanDim
-    return op.apply(x, dim, keepdim)  # type: ignore[no-any-return]
+    return op.apply(x, dim, keepdim)
 
 
 def max(x: Tensor, dim: int | Tensor | None = None, keepdim: bool = False) -> Any:
@@ -411,7 +411,7 @@ def var(
             UserWarning,
             stacklevel=2,
         )
-    return Var.apply(x, dims, divisor, keepdim)  # type: ignore[no-any-return]
+    return Var.apply(x, dims, divisor, keepdim)
 
 
 def logsumexp(x: Tensor, dim: Dims, keepdim: bool = False) -> Tensor:
@@ -419,17 +419,17 @@ def logsumexp(x: Tensor, dim: Dims, keepdim: bool = False) -> Tensor:
 
     Slices that are all ``-inf`` give ``-inf``.
     """
-    return Logsumexp.apply(x, normalize_dims(dim, x.ndim), keepdim)  # type: ignore[no-any-return]
+    return Logsumexp.apply(x, normalize_dims(dim, x.ndim), keepdim)
 
 
 def softmax(x: Tensor, dim: int) -> Tensor:
     """``exp(x) / sum(exp(x), dim)``, computed stably (shifted by the maximum)."""
-    return Softmax.apply(x, _softmax_axis(x, dim))  # type: ignore[no-any-return]
+    return Softmax.apply(x, _softmax_axis(x, dim))
 
 
 def log_softmax(x: Tensor, dim: int) -> Tensor:
     """``x - logsumexp(x, dim)``, computed stably; prefer it to ``log(softmax(x))``."""
-    return LogSoftmax.apply(x, _softmax_axis(x, dim))  # type: ignore[no-any-return]
+    return LogSoftmax.apply(x, _softmax_axis(x, dim))
 
 
 def argmax(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:

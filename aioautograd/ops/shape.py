@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from aioautograd._typing import Shape
-from aioautograd.ops._util import Op, wrap
+from aioautograd.ops._util import MultiOutputOp, Op, wrap
 from aioautograd.tensor import Tensor
 
 
@@ -118,7 +118,7 @@ class Stack(Op):
         return (None, *(piece if need else None for piece, need in zip(pieces, needs, strict=True)))
 
 
-class Split(Op):
+class Split(MultiOutputOp):
     """``x`` cut along ``dim`` into consecutive pieces of ``sizes``: views, one output each."""
 
     @staticmethod
@@ -142,7 +142,7 @@ class SplitWithSizes(Split):
     """``split`` with a list of sizes (a separate class for PyTorch's node name)."""
 
 
-class Unbind(Op):
+class Unbind(MultiOutputOp):
     @staticmethod
     def forward(ctx: Any, x: Tensor, dim: int) -> tuple[Tensor, ...]:
         ctx.dim = dim
@@ -165,7 +165,7 @@ def reshape(x: Tensor, shape: Shape) -> Tensor:
     target = _infer_shape(shape, x.numel())
     if target == x.shape:
         return x
-    return Reshape.apply(x, target)  # type: ignore[no-any-return]
+    return Reshape.apply(x, target)
 
 
 def view(x: Tensor, shape: Shape) -> Tensor:
@@ -211,7 +211,7 @@ def expand(x: Tensor, shape: Shape) -> Tensor:
         target.append(size)
     if tuple(target) == x.shape:
         return x
-    return Expand.apply(x, tuple(target))  # type: ignore[no-any-return]
+    return Expand.apply(x, tuple(target))
 
 
 def permute(x: Tensor, dims: Sequence[int]) -> Tensor:
@@ -224,7 +224,7 @@ def permute(x: Tensor, dims: Sequence[int]) -> Tensor:
         )
     if normalized == tuple(range(ndim)):
         return x
-    return Permute.apply(x, normalized)  # type: ignore[no-any-return]
+    return Permute.apply(x, normalized)
 
 
 def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
@@ -321,7 +321,7 @@ def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
                     f"{first.shape[axis]} but got size {t.shape[axis]} for tensor number {i} "
                     "in the list."
                 )
-    return Cat.apply(d, *tensors)  # type: ignore[no-any-return]
+    return Cat.apply(d, *tensors)
 
 
 def stack(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
@@ -341,14 +341,14 @@ def stack(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
                 f"entry 0 and {list(t.shape)} at entry {i}"
             )
     d = _dim(dim, first.ndim + 1)
-    return Stack.apply(d, *tensors)  # type: ignore[no-any-return]
+    return Stack.apply(d, *tensors)
 
 
 def unbind(x: Tensor, dim: int = 0) -> tuple[Tensor, ...]:
     """The slices of ``x`` along ``dim``, with that dimension removed (views)."""
     if x.ndim == 0:
         raise IndexError("Dimension specified as 0 but tensor has no dimensions")
-    return Unbind.apply(x, _dim(dim, x.ndim))  # type: ignore[no-any-return]
+    return Unbind.apply(x, _dim(dim, x.ndim))
 
 
 def split(
@@ -377,17 +377,17 @@ def split(
                     "split_size can only be 0 if dimension size is 0, but got dimension size "
                     f"of {length}"
                 )
-            return Split.apply(x, [0], d)  # type: ignore[no-any-return]
+            return Split.apply(x, [0], d)
         count = max(-(-length // size), 1)
         sizes = [size] * (count - 1) + [length - size * (count - 1)]
-        return Split.apply(x, sizes, d)  # type: ignore[no-any-return]
+        return Split.apply(x, sizes, d)
     sizes = [int(s) for s in split_size_or_sections]
     if any(s < 0 for s in sizes) or sum(sizes) != length:
         raise RuntimeError(
             f"split_with_sizes expects split_sizes to sum exactly to {length} (input tensor's "
             f"size at dimension {d}), but got split_sizes={sizes}"
         )
-    return SplitWithSizes.apply(x, sizes, d)  # type: ignore[no-any-return]
+    return SplitWithSizes.apply(x, sizes, d)
 
 
 def chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
@@ -406,5 +406,5 @@ def chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
     d = _dim(dim, x.ndim)
     length = x.shape[d]
     if length == 0:
-        return Split.apply(x, [0] * chunks, d)  # type: ignore[no-any-return]
+        return Split.apply(x, [0] * chunks, d)
     return split(x, -(-length // chunks), d)

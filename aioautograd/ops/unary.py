@@ -9,6 +9,7 @@ from aioautograd._typing import Array
 from aioautograd.devices.device import Device
 from aioautograd.function import FunctionCtx
 from aioautograd.grad_mode import _grad_enabled
+from aioautograd.ops import _erf
 from aioautograd.ops._util import Op, keep_where, wrap
 from aioautograd.ops.arithmetic import where
 from aioautograd.tensor import Tensor
@@ -176,10 +177,15 @@ class Relu(Op):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         if not _grad_enabled.get():  # nothing to record: ThresholdBackward's forward, inline
-            xp = grad.xp
-            out_data = ctx.saved_arrays[0]
-            return wrap(keep_where(xp, xp.logical_not(out_data <= 0), grad.data), grad.device)
-        return ThresholdBackward.apply(grad, ctx.saved_tensors[0])  # type: ignore[no-any-return]
+            return _threshold_backward(grad, ctx.saved_arrays[0])
+        return ThresholdBackward.apply(grad, ctx.saved_tensors[0])
+
+
+def _threshold_backward(grad: Tensor, out: Array) -> Tensor:
+    """ReLU's derivative, written once: ``grad`` where the output is > 0, else 0 (at 0 too,
+    as PyTorch). Both the plain backward and ``ThresholdBackward`` (create_graph) run it."""
+    xp = grad.xp
+    return wrap(keep_where(xp, xp.logical_not(out <= 0), grad.data), grad.device)
 
 
 class ThresholdBackward(Op):
@@ -190,8 +196,7 @@ class ThresholdBackward(Op):
     @staticmethod
     def forward(ctx: FunctionCtx, grad: Tensor, out: Tensor) -> Tensor:
         ctx.save_for_backward(out)
-        xp = grad.xp
-        return wrap(keep_where(xp, xp.logical_not(out.data <= 0), grad.data), grad.device)
+        return _threshold_backward(grad, out.data)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
@@ -206,7 +211,7 @@ class Erf(Op):
     @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor) -> Tensor:
         ctx.save_for_backward(x)
-        return wrap(_erf(x.xp, x.data), x.device)
+        return wrap(_erf.erf(x.xp, x.data), x.device)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
@@ -222,7 +227,7 @@ class Gelu(Op):
             inner = _SQRT_2_OVER_PI * (data + _KAPPA * data * data * data)
             out = 0.5 * data * (1 + xp.tanh(inner))
         else:
-            out = 0.5 * data * (1 + _erf(xp, data * _M_SQRT1_2))
+            out = 0.5 * data * (1 + _erf.erf(xp, data * _M_SQRT1_2))
         ctx.save_for_backward(x)
         ctx.approximate = approximate  # type: ignore[attr-defined]
         return wrap(out, x.device)
@@ -283,171 +288,75 @@ _SQRT_2_OVER_PI = _M_SQRT2 * _M_2_SQRTPI * 0.5
 _INV_SQRT_2PI = _M_2_SQRTPI * _M_SQRT1_2 * 0.5
 _KAPPA = 0.044715
 
-# W. J. Cody, "Rational Chebyshev approximations for the error function", Math. Comp. 23
-# (1969), as in Netlib SPECFUN's CALERF: erf on |x| <= 0.46875, erfc on (0.46875, 4] and
-# on (4, inf). Relative error below 1e-15 in float64.
-_ERF_A = (
-    3.16112374387056560e00,
-    1.13864154151050156e02,
-    3.77485237685302021e02,
-    3.20937758913846947e03,
-    1.85777706184603153e-1,
-)
-_ERF_B = (
-    2.36012909523441209e01,
-    2.44024637934444173e02,
-    1.28261652607737228e03,
-    2.84423683343917062e03,
-)
-_ERFC_C = (
-    5.64188496988670089e-1,
-    8.88314979438837594e00,
-    6.61191906371416295e01,
-    2.98635138197400131e02,
-    8.81952221241769090e02,
-    1.71204761263407058e03,
-    2.05107837782607147e03,
-    1.23033935479799725e03,
-    2.15311535474403846e-8,
-)
-_ERFC_D = (
-    1.57449261107098347e01,
-    1.17693950891312499e02,
-    5.37181101862009858e02,
-    1.62138957456669019e03,
-    3.29079923573345963e03,
-    4.36261909014324716e03,
-    3.43936767414372164e03,
-    1.23033935480374942e03,
-)
-_ERFC_P = (
-    3.05326634961232344e-1,
-    3.60344899949804439e-1,
-    1.25781726111229246e-1,
-    1.60837851487422766e-2,
-    6.58749161529837803e-4,
-    1.63153871373020978e-2,
-)
-_ERFC_Q = (
-    2.56852019228982242e00,
-    1.87295284992346047e00,
-    5.27905102951428412e-1,
-    6.05183413124413191e-2,
-    2.33520497626869185e-3,
-)
-_INV_SQRT_PI = 5.6418958354775628695e-1
-
-
-def _erf(xp: Any, x: Array) -> Array:
-    """The error function of an array, elementwise (NumPy has none, and SciPy is no dependency).
-
-    All three of Cody's intervals are evaluated on clipped copies of ``|x|`` (so none
-    overflows) and the right one is selected per element.
-    """
-    if x.dtype.kind in "biu":
-        x = x.astype(xp.float64)
-    y = xp.abs(x)
-
-    small = xp.clip(x, -0.46875, 0.46875)
-    z = small * small
-    num, den = _ERF_A[4] * z, z
-    for a, b in zip(_ERF_A[:3], _ERF_B[:3], strict=True):
-        num, den = (num + a) * z, (den + b) * z
-    erf_small = small * (num + _ERF_A[3]) / (den + _ERF_B[3])
-
-    mid = xp.clip(y, 0.46875, 4.0)
-    num, den = _ERFC_C[8] * mid, mid
-    for c, d in zip(_ERFC_C[:7], _ERFC_D[:7], strict=True):
-        num, den = (num + c) * mid, (den + d) * mid
-    erfc_mid = _exp_neg_square(xp, mid) * ((num + _ERFC_C[7]) / (den + _ERFC_D[7]))
-
-    # Past 27 erfc underflows to 0 in float64; clipping keeps 1 / big**2 finite.
-    big = xp.clip(y, 4.0, 27.0)
-    z = 1 / (big * big)
-    num, den = _ERFC_P[5] * z, z
-    for p, q in zip(_ERFC_P[:4], _ERFC_Q[:4], strict=True):
-        num, den = (num + p) * z, (den + q) * z
-    ratio = z * (num + _ERFC_P[4]) / (den + _ERFC_Q[4])
-    erfc_big = _exp_neg_square(xp, big) * ((_INV_SQRT_PI - ratio) / big)
-
-    erf_large = xp.sign(x) * (1 - xp.where(y <= 4.0, erfc_mid, erfc_big))
-    return xp.where(y <= 0.46875, erf_small, erf_large)
-
-
-def _exp_neg_square(xp: Any, y: Array) -> Array:
-    # exp(-y*y) without the rounding error of y*y: split y at a multiple of 1/16.
-    head = xp.trunc(y * 16) / 16
-    return xp.exp(-head * head) * xp.exp(-(y - head) * (y + head))
-
 
 def clone(x: Tensor) -> Tensor:
     """A copy of ``x`` that stays in the graph."""
-    return Clone.apply(x)  # type: ignore[no-any-return]
+    return Clone.apply(x)
 
 
 def cast(x: Tensor, dtype: Any) -> Tensor:
     """``x`` converted to ``dtype`` (differentiable between floating dtypes)."""
-    return Cast.apply(x, dtype)  # type: ignore[no-any-return]
+    return Cast.apply(x, dtype)
 
 
 def to_device(x: Tensor, device: Device) -> Tensor:
     """A copy of ``x`` on ``device`` (differentiable)."""
-    return ToDevice.apply(x, device)  # type: ignore[no-any-return]
+    return ToDevice.apply(x, device)
 
 
 def exp(x: Tensor) -> Tensor:
     """Elementwise ``e ** x``."""
-    return Exp.apply(x)  # type: ignore[no-any-return]
+    return Exp.apply(x)
 
 
 def log(x: Tensor) -> Tensor:
     """Elementwise natural logarithm."""
-    return Log.apply(x)  # type: ignore[no-any-return]
+    return Log.apply(x)
 
 
 def sqrt(x: Tensor) -> Tensor:
     """Elementwise square root."""
-    return Sqrt.apply(x)  # type: ignore[no-any-return]
+    return Sqrt.apply(x)
 
 
 def abs(x: Tensor) -> Tensor:
     """Elementwise absolute value; the gradient at 0 is 0 (as PyTorch)."""
-    return Abs.apply(x)  # type: ignore[no-any-return]
+    return Abs.apply(x)
 
 
 def sin(x: Tensor) -> Tensor:
     """Elementwise sine."""
-    return Sin.apply(x)  # type: ignore[no-any-return]
+    return Sin.apply(x)
 
 
 def cos(x: Tensor) -> Tensor:
     """Elementwise cosine."""
-    return Cos.apply(x)  # type: ignore[no-any-return]
+    return Cos.apply(x)
 
 
 def tanh(x: Tensor) -> Tensor:
     """Elementwise hyperbolic tangent."""
-    return Tanh.apply(x)  # type: ignore[no-any-return]
+    return Tanh.apply(x)
 
 
 def sigmoid(x: Tensor) -> Tensor:
     """Elementwise logistic function ``1 / (1 + exp(-x))``, computed without overflow."""
-    return Sigmoid.apply(x)  # type: ignore[no-any-return]
+    return Sigmoid.apply(x)
 
 
 def sign(x: Tensor) -> Tensor:
     """Elementwise sign: -1, 0 or 1 (NaN stays NaN); its gradient is zero."""
-    return Sign.apply(x)  # type: ignore[no-any-return]
+    return Sign.apply(x)
 
 
 def relu(x: Tensor) -> Tensor:
     """Elementwise ``max(x, 0)``; the gradient at 0 is 0 (as PyTorch)."""
-    return Relu.apply(x)  # type: ignore[no-any-return]
+    return Relu.apply(x)
 
 
 def erf(x: Tensor) -> Tensor:
     """Elementwise error function (Cody's rational approximation, float64-accurate)."""
-    return Erf.apply(x)  # type: ignore[no-any-return]
+    return Erf.apply(x)
 
 
 def gelu(x: Tensor, approximate: Literal["none", "tanh"] = "none") -> Tensor:
@@ -463,7 +372,7 @@ def gelu(x: Tensor, approximate: Literal["none", "tanh"] = "none") -> Tensor:
     """
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate argument must be either none or tanh, got {approximate!r}")
-    return Gelu.apply(x, approximate)  # type: ignore[no-any-return]
+    return Gelu.apply(x, approximate)
 
 
 def clamp(x: Tensor, min: float | None = None, max: float | None = None) -> Tensor:
@@ -477,4 +386,4 @@ def clamp(x: Tensor, min: float | None = None, max: float | None = None) -> Tens
     """
     if min is None and max is None:
         raise ValueError("clamp: At least one of 'min' or 'max' must not be None")
-    return Clamp.apply(x, min, max)  # type: ignore[no-any-return]
+    return Clamp.apply(x, min, max)

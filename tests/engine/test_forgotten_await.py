@@ -94,7 +94,7 @@ def test_forgotten_await_in_plain_script_raises() -> None:
 
 
 async def test_many_awaited_backwards_keep_nothing_alive() -> None:
-    from aioautograd.engine.unawaited import _pending
+    from aioautograd.autograd.unawaited import _pending
 
     x = ag.randn(3, requires_grad=True)
     for _ in range(100):

@@ -12,7 +12,8 @@ import pytest
 
 import aioautograd as ag
 import aioautograd.nn.functional as F
-from aioautograd.nn.functional import Col2Im, EmbeddingBackward, Im2Col
+from aioautograd.ops.conv import Col2Im, ConvGeometry, Im2Col
+from aioautograd.ops.embedding import EmbeddingBackward
 from tests.helpers import assert_close, to_numpy
 
 
@@ -632,7 +633,7 @@ async def test_conv2d_gradgradcheck() -> None:
 async def test_im2col_and_col2im_are_adjoint_and_differentiable() -> None:
     x = leaf(randn(1, 2, 4, 4))
     # Padded to 5 x 6; taps span 2 x 3 (dilation 1, 2); strides 2, 1: a 2 x 4 output.
-    geometry = F._ConvGeometry((1, 2, 4, 4), (2, 2), (2, 1), ((1, 0), (1, 1)), (1, 2), (2, 4))
+    geometry = ConvGeometry((1, 2, 4, 4), (2, 2), (2, 1), ((1, 0), (1, 1)), (1, 2), (2, 4))
     cols = Im2Col.apply(x, geometry)
     assert tuple(cols.shape) == (2, 2, 2, 1, 2, 4)
     c = leaf(randn(*cols.shape))

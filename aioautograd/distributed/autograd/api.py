@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from aioautograd.autograd.unawaited import _pending, check_awaited
 from aioautograd.distributed.autograd.context import (
     DistAutogradContext,
     _context_task,
@@ -13,7 +14,6 @@ from aioautograd.distributed.autograd.context import (
 )
 from aioautograd.distributed.autograd.dist_engine import container_of, release_on, task_context
 from aioautograd.distributed.rpc.worker import current_agent
-from aioautograd.engine.unawaited import _pending, check_awaited
 from aioautograd.tensor import Tensor
 
 

@@ -19,6 +19,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from aioautograd.autograd.node import Edge
+from aioautograd.autograd.unawaited import track
 from aioautograd.distributed.autograd.context import (
     DistAutogradContainer,
     DistAutogradContext,
@@ -37,7 +38,6 @@ from aioautograd.distributed.rpc.rref import FETCH, METHOD, RREF_BACKWARD, RRef,
 from aioautograd.distributed.rpc.worker import WorkerInfo, current_agent, from_backward
 from aioautograd.engine.api import _make_grads, _root_edges
 from aioautograd.engine.engine import Engine
-from aioautograd.engine.unawaited import track
 from aioautograd.tensor import Tensor
 
 logger = logging.getLogger("aioautograd.distributed.autograd")
