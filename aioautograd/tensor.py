@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import builtins
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -169,7 +170,13 @@ class Tensor:
         self._requires_grad = bool(value)
 
     def requires_grad_(self, requires_grad: builtins.bool = True) -> Tensor:
-        """Set ``requires_grad`` in place (leaves only) and return ``self``."""
+        """Set ``requires_grad`` in place and return ``self``.
+
+        On a non-leaf tensor (which requires grad already) only ``requires_grad_(True)``
+        is allowed, and does nothing, as in PyTorch.
+        """
+        if requires_grad and self.grad_fn is not None:
+            return self
         self.requires_grad = requires_grad
         return self
 
@@ -196,8 +203,21 @@ class Tensor:
 
     @property
     def grad(self) -> Tensor | None:
-        """The accumulated gradient (``None`` until a backward pass reaches this leaf)."""
-        return self._grad
+        """The accumulated gradient (``None`` until a backward pass reaches this leaf).
+
+        Non-leaf tensors have one only after :meth:`retain_grad`; reading it otherwise
+        warns, as in PyTorch.
+        """
+        grad = self._grad
+        if grad is None and self.grad_fn is not None and not self._retains_grad:
+            warnings.warn(
+                "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed. "
+                "backward() does not populate it; call .retain_grad() on the tensor before "
+                "backward if you want it, or read .grad of the leaf tensor instead.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return grad
 
     @grad.setter
     def grad(self, value: Tensor | None) -> None:
@@ -234,7 +254,7 @@ class Tensor:
 
     def detach_(self) -> Tensor:
         """Detach this tensor from the graph in place and make it a leaf."""
-        if self._base is not None and self.grad_fn is not None:
+        if self._base is not None:
             raise RuntimeError(
                 "Can't detach views in-place. Use detach() instead: it returns a new tensor."
             )
@@ -713,6 +733,11 @@ def _shape_args(args: tuple[Any, ...]) -> tuple[int, ...]:
 def _check_grad_assignment(tensor: Tensor, grad: Any) -> None:
     if not isinstance(grad, Tensor):
         raise TypeError(f"assigned grad expected to be a Tensor or None, got {type(grad).__name__}")
+    if grad is tensor:
+        raise RuntimeError(
+            "can't assign Variable as its own grad: assign a separate tensor (e.g. "
+            "tensor.detach().clone())"
+        )
     if grad.shape != tensor.data.shape:
         raise RuntimeError(
             f"assigned grad has data of a different size: {grad.shape} vs {tensor.data.shape}"

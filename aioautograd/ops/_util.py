@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from aioautograd.devices.device import Device
-from aioautograd.function import Function
+from aioautograd.function import EdgeRule, Function
 from aioautograd.tensor import Tensor
 
 _ndarray = np.ndarray
@@ -18,6 +18,7 @@ class Op(Function):
 
     _node_suffix = "Backward0"
     _inline_backward = True
+    _edge_rule: ClassVar[EdgeRule] = "differentiable"
 
 
 def wrap(result: Any, device: Device) -> Tensor:
