@@ -276,14 +276,9 @@ _NOT_A_TENSOR: Any = ((), None, None)
 def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     edges: list[Edge] = []
     needs: list[bool] = []
-    edge_args: list[int] | None = None  # set once an argument gets no edge
+    skipped: list[int] | None = None  # the arguments that get no edge (see _edge_rule)
     plain_input = False  # a tensor argument that does not require grad
-    rule = cls._edge_rule
-    filter_args = rule != "tensors"
-    keep_operands = rule == "operands"
-    i = -1
     for arg in args:
-        i += 1
         if isinstance(arg, Tensor):
             if arg._requires_grad:
                 grad_fn = arg.grad_fn
@@ -293,29 +288,23 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
                     else (arg._get_grad_accumulator(), 0)
                 )
                 needs.append(True)
-                if edge_args is not None:
-                    edge_args.append(i)
                 continue
             plain_input = True
             needs.append(False)
-            if filter_args and arg.data.dtype.kind not in "fc":
-                if edge_args is None:
-                    edge_args = list(range(i))
+            if cls._edge_rule != "tensors" and arg.data.dtype.kind not in "fc":
+                skipped = [len(needs) - 1] if skipped is None else [*skipped, len(needs) - 1]
                 continue
         else:
             needs.append(False)
-            if not keep_operands:
-                if edge_args is None:
-                    edge_args = list(range(i))
+            if cls._edge_rule != "operands":
+                skipped = [len(needs) - 1] if skipped is None else [*skipped, len(needs) - 1]
                 continue
         edges.append(_NO_EDGE)
-        if edge_args is not None:
-            edge_args.append(i)
-    if edge_args is None:
+    if skipped is None:
         node = cls._backward_cls.__new__(cls._backward_cls)
     else:
         node = cls._tensor_args_backward_cls.__new__(cls._tensor_args_backward_cls)
-        node._edge_args = tuple(edge_args)  # type: ignore[attr-defined]
+        node._edge_args = tuple(i for i in range(len(args)) if i not in skipped)  # type: ignore[attr-defined]
         node._num_args = len(args)  # type: ignore[attr-defined]
     Node.__init__(node, tuple(edges))
     node.needs_input_grad = tuple(needs)
@@ -338,20 +327,12 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
             # A slot all the same (PyTorch's): backward gets None for it.
             metadata.append(_NOT_A_TENSOR)
             continue
-        moved_retain = False
-        if dirty and any(out is d for d in dirty):
-            check_inplace(out)
-            out._bump_version()
-            moved_retain = out._retains_grad and _drop_retains_grad(out)
-        elif (plain_input or out._requires_grad or out.grad_fn is not None) and any(
-            out is arg for arg in args
-        ):
-            # An input returned as it is: the output is a view of it (as in PyTorch), so
-            # the input keeps its own history (a leaf stays a leaf).
-            out = out._view_of(out.data)
-            if replaced is None:
-                replaced = list(outputs)
-            replaced[output_nr] = out
+        if out._requires_grad or plain_input or dirty:  # it may be one of the inputs
+            adopted = _adopt_input(node, out, output_nr, args, dirty)
+            if adopted is not out:
+                if replaced is None:
+                    replaced = list(outputs)
+                replaced[output_nr] = out = adopted
         data = out.data
         dtype = data.dtype
         out_device = out.device
@@ -364,8 +345,6 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
             out.grad_fn = node
             out._output_nr = output_nr
             out._requires_grad = True
-            if moved_retain:  # retain_grad() follows the tensor to its new version
-                node._set_retains_grad(output_nr, out)
     if replaced is not None:
         outputs = tuple(replaced)
         raw = outputs if type(raw) is tuple else outputs[0]
@@ -379,12 +358,34 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
     return raw
 
 
-def _drop_retains_grad(tensor: Tensor) -> bool:
-    """Unhook ``retain_grad`` from the node ``tensor`` is about to leave (in-place op)."""
-    old = tensor.grad_fn
-    if old is not None and old._retains_grad_hooks:
-        old._retains_grad_hooks.pop(tensor._output_nr, None)
-    return True
+def _adopt_input(
+    node: BackwardCFunction,
+    out: Tensor,
+    output_nr: int,
+    args: tuple[Any, ...],
+    dirty: tuple[Tensor, ...],
+) -> Tensor:
+    """The tensor to record as output ``output_nr`` when ``out`` may be an input.
+
+    A modified input (``mark_dirty``) is the output itself, one version later; its
+    ``retain_grad`` moves to the new node. An input returned unchanged becomes a view of
+    it, as in PyTorch, so that the input keeps its own history (a leaf stays a leaf).
+    """
+    for tensor in dirty:
+        if out is tensor:
+            check_inplace(out)
+            out._bump_version()
+            if out._retains_grad:
+                old = out.grad_fn
+                if old is not None and old._retains_grad_hooks:
+                    old._retains_grad_hooks.pop(out._output_nr, None)
+                node._set_retains_grad(output_nr, out)
+            return out
+    for arg in args:
+        if out is arg:
+            view: Tensor = out._view_of(out.data)
+            return view
+    return out
 
 
 def check_inplace(tensor: Tensor) -> None:

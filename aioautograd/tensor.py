@@ -468,7 +468,8 @@ class Tensor:
         return arithmetic.Add.apply(self, other)  # type: ignore[no-any-return]
 
     def __radd__(self, other: Any) -> Tensor:
-        return arithmetic.Add.apply(other, self)  # type: ignore[no-any-return]
+        # Commutative: the tensor first, as PyTorch records ``2 + x`` (its edges: x, None).
+        return arithmetic.Add.apply(self, other)  # type: ignore[no-any-return]
 
     def __sub__(self, other: Any) -> Tensor:
         return arithmetic.sub(self, other)
@@ -480,7 +481,7 @@ class Tensor:
         return arithmetic.Mul.apply(self, other)  # type: ignore[no-any-return]
 
     def __rmul__(self, other: Any) -> Tensor:
-        return arithmetic.Mul.apply(other, self)  # type: ignore[no-any-return]
+        return arithmetic.Mul.apply(self, other)  # type: ignore[no-any-return]
 
     def __truediv__(self, other: Any) -> Tensor:
         return arithmetic.Div.apply(self, other)  # type: ignore[no-any-return]
