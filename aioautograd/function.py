@@ -220,7 +220,7 @@ class Function:
     """
 
     _backward_cls: ClassVar[type[BackwardCFunction]]
-    _tensor_args_backward_cls: ClassVar[type[BackwardCFunction]]
+    _tensor_args_backward_cls: ClassVar[type[BackwardCFunction] | None]
     # Built-in ops name their nodes like PyTorch's generated ones: ``MulBackward0``.
     _node_suffix: ClassVar[str] = "Backward"
     # Whether the backward runs only library code (built-in ops), so that the engine may
@@ -239,12 +239,22 @@ class Function:
         attrs = {"_forward_cls": cls, "inline": cls._inline_backward and not is_async}
         name = cls.__name__ + cls._node_suffix
         cls._backward_cls = type(name, (base,), attrs)
-        # The same node with edges for the tensor arguments only (see _TensorArgsMixin).
-        cls._tensor_args_backward_cls = type(
-            name,
-            (_AsyncTensorArgsBackward if is_async else _TensorArgsBackward, cls._backward_cls),
-            {},
-        )
+        cls._tensor_args_backward_cls = None  # made on first use
+
+    @classmethod
+    def _tensor_args_node_cls(cls) -> type[BackwardCFunction]:
+        """The node class with edges for some arguments only (see _TensorArgsMixin)."""
+        node_cls = cls._tensor_args_backward_cls
+        if node_cls is None:
+            node_cls = cls._tensor_args_backward_cls = type(
+                cls._backward_cls.__name__,
+                (
+                    _AsyncTensorArgsBackward if cls._backward_cls.is_async else _TensorArgsBackward,
+                    cls._backward_cls,
+                ),
+                {},
+            )
+        return node_cls
 
     @staticmethod
     def forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:
@@ -303,7 +313,8 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
     if skipped is None:
         node = cls._backward_cls.__new__(cls._backward_cls)
     else:
-        node = cls._tensor_args_backward_cls.__new__(cls._tensor_args_backward_cls)
+        node_cls = cls._tensor_args_backward_cls or cls._tensor_args_node_cls()
+        node = node_cls.__new__(node_cls)
         node._edge_args = tuple(i for i in range(len(args)) if i not in skipped)  # type: ignore[attr-defined]
         node._num_args = len(args)  # type: ignore[attr-defined]
     Node.__init__(node, tuple(edges))
