@@ -216,7 +216,10 @@ class Function:
 
         y = Square.apply(x)
 
-    ``backward`` returns one gradient (or ``None``) per ``forward`` argument.
+    ``backward`` returns one gradient (or ``None``) per ``forward`` argument; the node's
+    ``next_functions`` have one edge per tensor argument, as in PyTorch. ``forward`` may
+    return non-tensor values among its outputs (``backward`` gets ``None`` for them); an
+    input returned unchanged comes back as a view of it.
     """
 
     _backward_cls: ClassVar[type[BackwardCFunction]]

@@ -276,7 +276,9 @@ class Tensor:
         """Register ``hook(grad) -> Tensor | None`` called with this tensor's gradient.
 
         The hook may return a replacement gradient. Runs on an executor thread during backward.
-        Returns a handle whose ``remove()`` unregisters it.
+        As in PyTorch, it is called with ``None`` when the node producing this tensor runs
+        but the tensor got no gradient (an unused output of ``unbind``, say); it must then
+        return ``None``. Returns a handle whose ``remove()`` unregisters it.
         """
         if not self._requires_grad:
             raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")

@@ -146,8 +146,11 @@ async def backward(
         tensors: roots to differentiate.
         grad_tensors: gradients w.r.t. each root (may be omitted for scalar roots).
         retain_graph: keep saved tensors for another backward (defaults to ``create_graph``).
-        create_graph: record the backward pass itself, for higher-order gradients.
-        inputs: accumulate only into these tensors (leaves or non-leaves).
+        create_graph: record the backward pass itself, for higher-order gradients (warns,
+            as PyTorch: ``.grad`` then references the graph that produced it; prefer
+            :func:`grad`).
+        inputs: accumulate only into these tensors. Their nodes run (with their hooks);
+            a non-leaf input retains grad (``retain_grad()``) and gets ``.grad``.
 
     Raises:
         RuntimeError: for roots that do not require grad, non-scalar roots without a
