@@ -14,6 +14,7 @@ from typing import Any
 
 from aioautograd import factories
 from aioautograd.engine.api import backward_sync
+from aioautograd.engine.graph_task import current_graph_task
 from aioautograd.function import Function
 from aioautograd.grad_mode import enable_grad, is_grad_enabled, no_grad
 from aioautograd.tensor import Tensor
@@ -34,6 +35,15 @@ class CheckpointFunction(Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
+        graph_task = current_graph_task.get()
+        if graph_task is not None and graph_task.exec_info is not None:
+            # The nested backward accumulates into .grad of whatever the segment uses: it
+            # cannot deliver gradients to grad() or restrict them to backward(inputs=...).
+            raise RuntimeError(
+                "checkpoint is incompatible with grad() and with passing `inputs` to "
+                "backward(): its backward recomputes the segment and runs a nested backward "
+                "into .grad. Call .backward() without `inputs` instead."
+            )
         inputs = list(ctx.inputs)
         detached: list[Tensor] = []
         for index, saved in zip(ctx.tensor_indices, ctx.saved_tensors, strict=True):

@@ -13,13 +13,15 @@ import inspect
 import itertools
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from aioautograd.anomaly_mode import _anomaly, current_node
 from aioautograd.autograd.node import Edge, Error, Grads, Node
 from aioautograd.autograd.saved import SavedTensor, second_backward_error, unpack_arrays
 from aioautograd.grad_mode import _grad_enabled
 from aioautograd.tensor import Tensor
+
+EdgeRule = Literal["tensors", "differentiable", "operands"]
 
 
 class FunctionCtx:
@@ -80,7 +82,8 @@ class BackwardCFunction(Node, FunctionCtx):
         if self.materialize_grads:
             for grad in grads:
                 if grad is None:
-                    _materialize(self, grads)
+                    if _materialize(self, grads):
+                        return (None,) * len(self._next_edges)
                     break
         backward = self._forward_cls.backward
         result = backward(self, grads[0]) if len(grads) == 1 else backward(self, *grads)
@@ -120,17 +123,70 @@ class AsyncBackwardCFunction(BackwardCFunction):
         return _check_gradient_count(self, result)
 
 
-def _materialize(node: BackwardCFunction, grads: Grads) -> None:
-    """Replace ``None`` gradients by zeros of the shapes the node's inputs have."""
+class _TensorArgsMixin:
+    """Nodes of a ``Function`` applied to non-tensor arguments too: as in PyTorch, their
+    ``next_functions`` hold one edge per tensor argument (per differentiable operand for the
+    built-in ops), while ``backward`` still returns one gradient per ``forward`` argument."""
+
+    _edge_args: tuple[int, ...]  # the argument each edge belongs to
+    _num_args: int
+
+
+class _TensorArgsBackward(_TensorArgsMixin, BackwardCFunction):
+    def apply(self, grads: Grads) -> Sequence[Tensor | None]:
+        if self.materialize_grads:
+            for grad in grads:
+                if grad is None:
+                    if _materialize(self, grads):
+                        return (None,) * len(self._next_edges)
+                    break
+        backward = self._forward_cls.backward
+        result = backward(self, grads[0]) if len(grads) == 1 else backward(self, *grads)
+        if type(result) is tuple and len(result) == self._num_args:
+            edge_args = self._edge_args
+            if len(edge_args) == 1:
+                return (result[edge_args[0]],)
+            return tuple([result[i] for i in edge_args])
+        return _select_edges(self, result)
+
+
+class _AsyncTensorArgsBackward(_TensorArgsMixin, AsyncBackwardCFunction):
+    async def apply(self, grads: Grads) -> Sequence[Tensor | None]:  # type: ignore[override]
+        if self.materialize_grads:
+            _materialize(self, grads)
+        return _select_edges(self, await self._forward_cls.backward(self, *grads))
+
+
+def _select_edges(node: Any, result: Any) -> Sequence[Tensor | None]:
+    per_arg = _check_gradient_count(node, result, node._num_args)
+    return tuple(per_arg[i] for i in node._edge_args)
+
+
+def _materialize(node: BackwardCFunction, grads: Grads) -> bool:
+    """Replace ``None`` gradients by zeros of the shapes the node's inputs have (not for
+    non-tensor outputs: those stay ``None``).
+
+    Returns True, materializing nothing, for a built-in op that received no gradient at
+    all: as PyTorch's generated nodes, it then returns ``None`` for every input instead of
+    propagating zeros (so ``.grad`` stays ``None`` behind a custom backward returning
+    ``None``).
+    """
+    if node.inline and all(grad is None for grad in grads):
+        return True
     for i, grad in enumerate(grads):
         if grad is None:
             shape, dtype, device = node._input_metadata[i]
-            grads[i] = Tensor(device.xp.zeros(shape, dtype), device)
+            if device is not None:
+                grads[i] = Tensor(device.xp.zeros(shape, dtype), device)
+    return False
 
 
-def _check_gradient_count(node: BackwardCFunction, result: Any) -> Sequence[Tensor | None]:
+def _check_gradient_count(
+    node: BackwardCFunction, result: Any, expected: int | None = None
+) -> Sequence[Tensor | None]:
     grads: tuple[Tensor | None, ...] = result if isinstance(result, tuple) else (result,)
-    expected = len(node._next_edges)
+    if expected is None:
+        expected = len(node._next_edges)
     if len(grads) != expected:
         if len(grads) > expected and all(r is None for r in grads[expected:]):
             return grads[:expected]
@@ -160,28 +216,48 @@ class Function:
 
         y = Square.apply(x)
 
-    ``backward`` returns one gradient (or ``None``) per ``forward`` argument.
+    ``backward`` returns one gradient (or ``None``) per ``forward`` argument; the node's
+    ``next_functions`` have one edge per tensor argument, as in PyTorch. ``forward`` may
+    return non-tensor values among its outputs (``backward`` gets ``None`` for them); an
+    input returned unchanged comes back as a view of it.
     """
 
     _backward_cls: ClassVar[type[BackwardCFunction]]
+    _tensor_args_backward_cls: ClassVar[type[BackwardCFunction] | None]
     # Built-in ops name their nodes like PyTorch's generated ones: ``MulBackward0``.
     _node_suffix: ClassVar[str] = "Backward"
     # Whether the backward runs only library code (built-in ops), so that the engine may
     # run the node inline on the awaiting thread; user Functions run on the executors.
     _inline_backward: ClassVar[bool] = False
+    # Which arguments get a ``next_functions`` edge. "tensors" (PyTorch's rule for custom
+    # Functions): every tensor. Built-in ops: "differentiable", floating point tensors only
+    # (an index or a mask is not differentiable), or "operands", those and the non-tensor
+    # operands too, which PyTorch wraps into tensors (``x * 2`` has two edges).
+    _edge_rule: ClassVar[EdgeRule] = "tensors"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        base = (
-            AsyncBackwardCFunction
-            if inspect.iscoroutinefunction(inspect.unwrap(cls.backward))
-            else BackwardCFunction
-        )
-        cls._backward_cls = type(
-            cls.__name__ + cls._node_suffix,
-            (base,),
-            {"_forward_cls": cls, "inline": cls._inline_backward and base is BackwardCFunction},
-        )
+        is_async = inspect.iscoroutinefunction(inspect.unwrap(cls.backward))
+        base = AsyncBackwardCFunction if is_async else BackwardCFunction
+        attrs = {"_forward_cls": cls, "inline": cls._inline_backward and not is_async}
+        name = cls.__name__ + cls._node_suffix
+        cls._backward_cls = type(name, (base,), attrs)
+        cls._tensor_args_backward_cls = None  # made on first use
+
+    @classmethod
+    def _tensor_args_node_cls(cls) -> type[BackwardCFunction]:
+        """The node class with edges for some arguments only (see _TensorArgsMixin)."""
+        node_cls = cls._tensor_args_backward_cls
+        if node_cls is None:
+            node_cls = cls._tensor_args_backward_cls = type(
+                cls._backward_cls.__name__,
+                (
+                    _AsyncTensorArgsBackward if cls._backward_cls.is_async else _TensorArgsBackward,
+                    cls._backward_cls,
+                ),
+                {},
+            )
+        return node_cls
 
     @staticmethod
     def forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:
@@ -209,6 +285,8 @@ class Function:
 
 
 _NO_EDGE: Edge = (None, 0)
+# The input metadata of an output that is not a tensor (its device None: nothing to make).
+_NOT_A_TENSOR: Any = ((), None, None)
 
 
 def _broadcast_error(cls: type[Function], args: tuple[Any, ...], exc: ValueError) -> Exception:
@@ -244,21 +322,39 @@ def _broadcast_error(cls: type[Function], args: tuple[Any, ...], exc: ValueError
 
 
 def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    node = cls._backward_cls.__new__(cls._backward_cls)
     edges: list[Edge] = []
     needs: list[bool] = []
+    skipped: list[int] | None = None  # the arguments that get no edge (see _edge_rule)
+    plain_input = False  # a tensor argument that does not require grad
     for arg in args:
-        if isinstance(arg, Tensor) and arg._requires_grad:
-            grad_fn = arg.grad_fn
-            edges.append(
-                (grad_fn, arg._output_nr)
-                if grad_fn is not None
-                else (arg._get_grad_accumulator(), 0)
-            )
-            needs.append(True)
-            continue
+        if isinstance(arg, Tensor):
+            if arg._requires_grad:
+                grad_fn = arg.grad_fn
+                edges.append(
+                    (grad_fn, arg._output_nr)
+                    if grad_fn is not None
+                    else (arg._get_grad_accumulator(), 0)
+                )
+                needs.append(True)
+                continue
+            plain_input = True
+            needs.append(False)
+            if cls._edge_rule != "tensors" and arg.data.dtype.kind not in "fc":
+                skipped = [len(needs) - 1] if skipped is None else [*skipped, len(needs) - 1]
+                continue
+        else:
+            needs.append(False)
+            if cls._edge_rule != "operands":
+                skipped = [len(needs) - 1] if skipped is None else [*skipped, len(needs) - 1]
+                continue
         edges.append(_NO_EDGE)
-        needs.append(False)
+    if skipped is None:
+        node = cls._backward_cls.__new__(cls._backward_cls)
+    else:
+        node_cls = cls._tensor_args_backward_cls or cls._tensor_args_node_cls()
+        node = node_cls.__new__(node_cls)
+        node._edge_args = tuple(i for i in range(len(args)) if i not in skipped)  # type: ignore[attr-defined]
+        node._num_args = len(args)  # type: ignore[attr-defined]
     Node.__init__(node, tuple(edges))
     node.needs_input_grad = tuple(needs)
 
@@ -274,14 +370,20 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
     dirty = node.dirty_tensors
     non_diff = node.non_differentiable
     metadata = node._input_metadata
+    replaced: list[Any] | None = None
     output_nr = -1  # a counter, not enumerate(): once per op
     for out in outputs:
         output_nr += 1
         if not isinstance(out, Tensor):
+            # A slot all the same (PyTorch's): backward gets None for it.
+            metadata.append(_NOT_A_TENSOR)
             continue
-        if dirty and any(out is d for d in dirty):
-            check_inplace(out)
-            out._bump_version()
+        if out._requires_grad or plain_input or dirty:  # it may be one of the inputs
+            adopted = _adopt_input(node, out, output_nr, args, dirty)
+            if adopted is not out:
+                if replaced is None:
+                    replaced = list(outputs)
+                replaced[output_nr] = out = adopted
         data = out.data
         dtype = data.dtype
         out_device = out.device
@@ -294,6 +396,9 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
             out.grad_fn = node
             out._output_nr = output_nr
             out._requires_grad = True
+    if replaced is not None:
+        outputs = tuple(replaced)
+        raw = outputs if type(raw) is tuple else outputs[0]
     if _anomaly.get().enabled:
         node.metadata["traceback_"] = traceback.format_stack()[:-2]
         parent = current_node.get()
@@ -302,6 +407,36 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
     if node.to_save:
         node._save_variables(outputs)
     return raw
+
+
+def _adopt_input(
+    node: BackwardCFunction,
+    out: Tensor,
+    output_nr: int,
+    args: tuple[Any, ...],
+    dirty: tuple[Tensor, ...],
+) -> Tensor:
+    """The tensor to record as output ``output_nr`` when ``out`` may be an input.
+
+    A modified input (``mark_dirty``) is the output itself, one version later; its
+    ``retain_grad`` moves to the new node. An input returned unchanged becomes a view of
+    it, as in PyTorch, so that the input keeps its own history (a leaf stays a leaf).
+    """
+    for tensor in dirty:
+        if out is tensor:
+            check_inplace(out)
+            out._bump_version()
+            if out._retains_grad:
+                old = out.grad_fn
+                if old is not None and old._retains_grad_hooks:
+                    old._retains_grad_hooks.pop(out._output_nr, None)
+                node._set_retains_grad(output_nr, out)
+            return out
+    for arg in args:
+        if out is arg:
+            view: Tensor = out._view_of(out.data)
+            return view
+    return out
 
 
 def check_inplace(tensor: Tensor) -> None:
@@ -337,19 +472,29 @@ def once_differentiable(
             _grad_enabled.reset(token)
         if not _grad_enabled.get():
             return result
-        requires = [g for g in grads if isinstance(g, Tensor) and g._requires_grad]
-        if not requires:
+        if not any(isinstance(g, Tensor) and g._requires_grad for g in grads):
             return result
+        # As PyTorch: the results are new tensors hanging off an error node whose inputs
+        # are fresh leaves (detached aliases), not the incoming gradients' graph; reaching
+        # that node raises.
+        outputs = list(result) if isinstance(result, tuple) else [result]
+        positions = [
+            i
+            for i, out in enumerate(outputs)
+            if isinstance(out, Tensor) and out.data.dtype.kind in "fc"
+        ]
         error = Error(
             "trying to differentiate twice a function that was marked with @once_differentiable",
-            tuple(g._gradient_edge() for g in requires),
+            tuple(
+                (outputs[i].detach().requires_grad_()._get_grad_accumulator(), 0) for i in positions
+            ),
         )
-        outputs = result if isinstance(result, tuple) else (result,)
-        for out in outputs:
-            if isinstance(out, Tensor) and out.data.dtype.kind in "fc":
-                out.grad_fn = error
-                out._output_nr = error._add_input_metadata(out)
-                out._requires_grad = True
-        return result
+        for i in positions:
+            out = outputs[i].detach()
+            out.grad_fn = error
+            out._output_nr = error._add_input_metadata(out)
+            out._requires_grad = True
+            outputs[i] = out
+        return tuple(outputs) if isinstance(result, tuple) else outputs[0]
 
     return wrapper

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from contextvars import ContextVar, Token
 from typing import Any, TypeVar
@@ -41,6 +42,16 @@ class _ModeContext:
         return type(self)()
 
     def __call__(self, func: F) -> F:
+        if inspect.isclass(func):
+            warnings.warn(
+                "Decorating classes is deprecated and will be disabled in future versions. "
+                "You should only decorate functions or methods. To preserve the current "
+                "behavior of class decoration, you can directly decorate the `__init__` "
+                "method and nothing else.",
+                FutureWarning,
+                stacklevel=2,
+            )
+            # As PyTorch: calling the decorated class constructs an instance in the mode.
         if inspect.iscoroutinefunction(func):
 
             @functools.wraps(func)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import builtins
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from types import ModuleType
@@ -171,7 +172,13 @@ class Tensor:
         self._requires_grad = bool(value)
 
     def requires_grad_(self, requires_grad: builtins.bool = True) -> Tensor:
-        """Set ``requires_grad`` in place (leaves only) and return ``self``."""
+        """Set ``requires_grad`` in place and return ``self``.
+
+        On a non-leaf tensor (which requires grad already) only ``requires_grad_(True)``
+        is allowed, and does nothing, as in PyTorch.
+        """
+        if requires_grad and self.grad_fn is not None:
+            return self
         self.requires_grad = requires_grad
         return self
 
@@ -200,12 +207,24 @@ class Tensor:
     def grad(self) -> Tensor | None:
         """The accumulated gradient (``None`` until a backward pass reaches this leaf).
 
+        Non-leaf tensors have one only after :meth:`retain_grad`; reading it otherwise
+        warns, as in PyTorch.
+
         Raises:
             RuntimeError: when this task called ``backward()`` without ``await``.
         """
         if _pending.items:
             check_awaited()
-        return self._grad
+        grad = self._grad
+        if grad is None and self.grad_fn is not None and not self._retains_grad:
+            warnings.warn(
+                "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed. "
+                "backward() does not populate it; call .retain_grad() on the tensor before "
+                "backward if you want it, or read .grad of the leaf tensor instead.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return grad
 
     @grad.setter
     def grad(self, value: Tensor | None) -> None:
@@ -242,7 +261,7 @@ class Tensor:
 
     def detach_(self) -> Tensor:
         """Detach this tensor from the graph in place and make it a leaf."""
-        if self._base is not None and self.grad_fn is not None:
+        if self._base is not None:
             raise RuntimeError(
                 "Can't detach views in-place. Use detach() instead: it returns a new tensor."
             )
@@ -264,7 +283,9 @@ class Tensor:
         """Register ``hook(grad) -> Tensor | None`` called with this tensor's gradient.
 
         The hook may return a replacement gradient. Runs on an executor thread during backward.
-        Returns a handle whose ``remove()`` unregisters it.
+        As in PyTorch, it is called with ``None`` when the node producing this tensor runs
+        but the tensor got no gradient (an unused output of ``unbind``, say); it must then
+        return ``None``. Returns a handle whose ``remove()`` unregisters it.
         """
         if not self._requires_grad:
             raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
@@ -464,7 +485,8 @@ class Tensor:
         return arithmetic.Add.apply(self, other)
 
     def __radd__(self, other: Any) -> Tensor:
-        return arithmetic.Add.apply(other, self)
+        # Commutative: the tensor first, as PyTorch records ``2 + x`` (its edges: x, None).
+        return arithmetic.Add.apply(self, other)
 
     def __sub__(self, other: Any) -> Tensor:
         return arithmetic.sub(self, other)
@@ -476,7 +498,7 @@ class Tensor:
         return arithmetic.Mul.apply(self, other)
 
     def __rmul__(self, other: Any) -> Tensor:
-        return arithmetic.Mul.apply(other, self)
+        return arithmetic.Mul.apply(self, other)
 
     def __truediv__(self, other: Any) -> Tensor:
         return arithmetic.Div.apply(self, other)
@@ -759,6 +781,11 @@ def _shape_args(args: tuple[Any, ...]) -> tuple[int, ...]:
 def _check_grad_assignment(tensor: Tensor, grad: Any) -> None:
     if not isinstance(grad, Tensor):
         raise TypeError(f"assigned grad expected to be a Tensor or None, got {type(grad).__name__}")
+    if grad is tensor:
+        raise RuntimeError(
+            "can't assign Variable as its own grad: assign a separate tensor (e.g. "
+            "tensor.detach().clone())"
+        )
     if grad.shape != tensor.data.shape:
         raise RuntimeError(
             f"assigned grad has data of a different size: {grad.shape} vs {tensor.data.shape}"

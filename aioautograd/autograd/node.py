@@ -223,15 +223,18 @@ class AccumulateGrad(Node):
     def apply(self, grads: Grads) -> Sequence[Tensor | None]:
         grad = grads[0]
         grads[0] = None  # drop the buffer's reference so the gradient can be stolen
-        if grad is None:
-            return ()
         variable = self.variable
-        # The engine holds this node's lock while applying it: one writer per leaf.
-        accumulate_grad(variable, grad)
+        if grad is not None:
+            # The engine holds this node's lock while applying it: one writer per leaf.
+            accumulate_grad(variable, grad)
         hooks = variable._post_accumulate_grad_hooks
-        if hooks:
+        if hooks:  # (run when no gradient arrived too, as in PyTorch)
             for hook in tuple(hooks.values()):
-                hook(variable)
+                if hook(variable) is not None:
+                    raise RuntimeError(
+                        "Tensor post accumulate grad hooks should return None: they may "
+                        "read or modify tensor.grad in place, not replace it"
+                    )
         return ()
 
 
@@ -239,7 +242,9 @@ def accumulate_grad(variable: Tensor, grad: Tensor) -> None:
     """Add ``grad`` into ``variable.grad`` following PyTorch's AccumulateGrad rules."""
     old = variable._grad
     if _grad_enabled.get():  # create_graph: keep the accumulation differentiable
-        variable._grad = grad if old is None else old + grad
+        # A first gradient is copied differentiably (PyTorch's CopyBackwards node), so
+        # .grad never aliases a tensor of the graph.
+        variable._grad = unary.copy_grad(grad) if old is None else old + grad
         return
     if old is None:
         variable._grad = grad if _exclusively_owned(grad) else _detached_copy(grad)
@@ -294,3 +299,6 @@ class Error(Node):
 
     def apply(self, grads: Grads) -> Sequence[Tensor | None]:
         raise RuntimeError(self.message)
+
+
+from aioautograd.ops import unary  # noqa: E402  (the ops import this module)

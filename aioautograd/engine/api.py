@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
@@ -105,23 +106,33 @@ def _prepare_backward(
     retain_graph: bool | None,
     create_graph: bool,
     inputs: TensorOrTensors | None,
-) -> tuple[list[Edge], list[Tensor | None], bool, list[Edge] | None, tuple[Tensor, ...]]:
+) -> tuple[list[Edge], list[Tensor | None], bool, list[Edge] | None]:
     outputs = _as_tuple(tensors)
-    if inputs is not None and not _as_tuple(inputs):
+    input_tuple = _as_tuple(inputs)
+    if inputs is not None and not input_tuple:
         raise RuntimeError("'inputs' argument to backward() cannot be empty.")
     grads = _as_tuple(grad_tensors) if grad_tensors is not None else (None,) * len(outputs)
     roots = _root_edges(outputs)
     checked = _make_grads(outputs, grads)
     keep_graph = create_graph if retain_graph is None else retain_graph
-    input_tuple = _as_tuple(inputs)
-    return roots, checked, keep_graph, (_input_edges(input_tuple) if inputs else None), input_tuple
-
-
-def _accumulate_non_leaf(inputs: tuple[Tensor, ...], captured: list[Tensor | None]) -> None:
-    # backward(inputs=[non_leaf]) accumulates into the non-leaf's .grad, as PyTorch does.
-    for tensor, grad in zip(inputs, captured, strict=False):
-        if tensor.grad_fn is not None and grad is not None:
-            tensor._grad = grad if tensor._grad is None else tensor._grad + grad
+    input_edges = None
+    if inputs is not None:
+        input_edges = _input_edges(input_tuple)
+        for tensor in input_tuple:
+            if tensor.grad_fn is not None:
+                # A non-leaf input gets its .grad as PyTorch does it: it retains grad.
+                tensor.retain_grad()
+    if create_graph:
+        warnings.warn(
+            "Using backward() with create_graph=True will create a reference cycle between "
+            "the parameter and its gradient which can cause a memory leak. We recommend "
+            "using autograd.grad when creating the graph to avoid this. If you have to use "
+            "this function, make sure to reset the .grad fields of your parameters to None "
+            "after use to break the cycle and avoid the leak.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return roots, checked, keep_graph, input_edges
 
 
 def backward(
@@ -142,8 +153,11 @@ def backward(
         tensors: roots to differentiate.
         grad_tensors: gradients w.r.t. each root (may be omitted for scalar roots).
         retain_graph: keep saved tensors for another backward (defaults to ``create_graph``).
-        create_graph: record the backward pass itself, for higher-order gradients.
-        inputs: accumulate only into these tensors (leaves or non-leaves).
+        create_graph: record the backward pass itself, for higher-order gradients (warns,
+            as PyTorch: ``.grad`` then references the graph that produced it; prefer
+            :func:`grad`).
+        inputs: accumulate only into these tensors. Their nodes run (with their hooks);
+            a non-leaf input retains grad (``retain_grad()``) and gets ``.grad``.
 
     Raises:
         RuntimeError: for roots that do not require grad, non-scalar roots without a
@@ -168,14 +182,10 @@ async def _backward(
     create_graph: bool,
     inputs: TensorOrTensors | None,
 ) -> None:
-    roots, grads, keep_graph, outputs, input_tuple = _prepare_backward(
+    roots, grads, keep_graph, outputs = _prepare_backward(
         tensors, grad_tensors, retain_graph, create_graph, inputs
     )
-    captured = await Engine.get_default_engine().execute(
-        roots, grads, keep_graph, create_graph, True, outputs
-    )
-    if outputs is not None:
-        _accumulate_non_leaf(input_tuple, captured)
+    await Engine.get_default_engine().execute(roots, grads, keep_graph, create_graph, True, outputs)
 
 
 def backward_sync(
@@ -191,14 +201,10 @@ def backward_sync(
     Raises:
         RuntimeError: when called on a thread that runs an event loop (use ``await``).
     """
-    roots, grads, keep_graph, outputs, input_tuple = _prepare_backward(
+    roots, grads, keep_graph, outputs = _prepare_backward(
         tensors, grad_tensors, retain_graph, create_graph, inputs
     )
-    captured = Engine.get_default_engine().execute_sync(
-        roots, grads, keep_graph, create_graph, True, outputs
-    )
-    if outputs is not None:
-        _accumulate_non_leaf(input_tuple, captured)
+    Engine.get_default_engine().execute_sync(roots, grads, keep_graph, create_graph, True, outputs)
 
 
 def _prepare_grad(
@@ -211,7 +217,10 @@ def _prepare_grad(
     output_tuple = _as_tuple(outputs)
     input_tuple = _as_tuple(inputs)
     if not input_tuple:
-        raise RuntimeError("grad requires at least one input tensor")
+        raise RuntimeError(
+            "`inputs` argument to `grad()` cannot be empty: pass the tensors to "
+            "differentiate with respect to"
+        )
     grads = _as_tuple(grad_outputs) if grad_outputs is not None else (None,) * len(output_tuple)
     roots = _root_edges(output_tuple)
     checked = _make_grads(output_tuple, grads)
@@ -224,13 +233,15 @@ def _finish_grad(
     inputs: TensorOrTensors,
     allow_unused: bool,
     materialize_grads: bool,
+    create_graph: bool,
 ) -> tuple[Tensor | None, ...]:
     input_tuple = _as_tuple(inputs)
     result: list[Tensor | None] = []
     for tensor, grad in zip(input_tuple, captured, strict=True):
         if grad is None:
             if materialize_grads:
-                grad = Tensor(tensor.xp.zeros_like(tensor.data), tensor.device)
+                # Zeros that require grad under create_graph (a leaf), as PyTorch makes them.
+                grad = Tensor(tensor.xp.zeros_like(tensor.data), tensor.device, create_graph)
             elif not allow_unused:
                 raise RuntimeError(
                     "One of the differentiated Tensors appears to not have been used in the "
@@ -264,7 +275,7 @@ async def grad(
     captured = await Engine.get_default_engine().execute(
         roots, grads, keep_graph, create_graph, False, edges
     )
-    return _finish_grad(captured, inputs, bool(allow_unused), materialize_grads)
+    return _finish_grad(captured, inputs, bool(allow_unused), materialize_grads, create_graph)
 
 
 def grad_sync(
@@ -283,4 +294,4 @@ def grad_sync(
     captured = Engine.get_default_engine().execute_sync(
         roots, grads, keep_graph, create_graph, False, edges
     )
-    return _finish_grad(captured, inputs, bool(allow_unused), materialize_grads)
+    return _finish_grad(captured, inputs, bool(allow_unused), materialize_grads, create_graph)

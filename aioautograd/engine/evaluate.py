@@ -135,6 +135,9 @@ def _call_function(
             return None
         outputs: Sequence[Tensor | None] = asyncio.run(node.apply(inputs))  # type: ignore[arg-type]
         return _finish_outputs(graph_task, node, outputs, inputs)
+    # Post-hooks get the gradients the node received: apply may consume the buffer
+    # (AccumulateGrad steals from it, materialization fills it).
+    received: Sequence[Tensor | None] = tuple(inputs) if node._post_hooks else inputs
     stream = node._stream
     if stream is None:
         if graph_task.anomaly.enabled or graph_task.profiler is not None:
@@ -142,14 +145,14 @@ def _call_function(
         else:
             with node._lock:
                 outputs = node.apply(inputs)
-        return _finish_outputs(graph_task, node, outputs, inputs)
+        return _finish_outputs(graph_task, node, outputs, received)
     # An accelerator node: its backward (and the validation of its outputs) runs on the
     # stream that was current at its forward.
     with stream.device.backend.use_stream(stream, node.name()):
         outputs = _apply_observed(graph_task, node, inputs, device)
         if isinstance(node, AccumulateGrad):
             graph_task.leaf_streams.add(stream)
-        return _finish_outputs(graph_task, node, outputs, inputs)
+        return _finish_outputs(graph_task, node, outputs, received)
 
 
 def _apply_observed(
@@ -169,7 +172,10 @@ def _apply_observed(
 
 
 def _finish_outputs(
-    graph_task: GraphTask, node: Node, outputs: Sequence[Tensor | None], inputs: Grads
+    graph_task: GraphTask,
+    node: Node,
+    outputs: Sequence[Tensor | None],
+    inputs: Sequence[Tensor | None],
 ) -> Sequence[Tensor | None]:
     if not graph_task.keep_graph:
         node.release_variables()
@@ -193,11 +199,17 @@ def _call_tensor_pre_hooks(node: Node, inputs: Grads) -> Grads:
     if node._tensor_pre_hooks:
         for input_nr, hooks in node._tensor_pre_hooks.items():
             for hook in tuple(hooks.values()):
+                # As in PyTorch, a hook also sees None (an output that got no gradient,
+                # e.g. the unused results of unbind) and may not replace it.
                 grad = inputs[input_nr]
-                if grad is None:
-                    break
                 result = hook(grad)
                 if result is not None:
+                    if grad is None:
+                        raise RuntimeError(
+                            "can't replace a None gradient with a non-None value: a tensor "
+                            "hook called with None (its tensor received no gradient) must "
+                            "return None"
+                        )
                     inputs[input_nr] = result
     if node._retains_grad_hooks:
         for input_nr, tensor_ref in node._retains_grad_hooks.items():

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aioautograd.anomaly_mode import AnomalyMode, _anomaly
-from aioautograd.autograd.node import AccumulateGrad, Edge, Node
+from aioautograd.autograd.node import Edge, Node
 from aioautograd.autograd.saved import describe
 from aioautograd.devices.device import stash_current_streams
 from aioautograd.engine.executor import pause_if_due
@@ -209,7 +209,9 @@ class GraphTask:
             info = exec_info.get(node)
             if info is None:
                 info = exec_info[node] = ExecInfo()
-            if accumulate_grad and isinstance(node, AccumulateGrad):
+            if accumulate_grad:
+                # backward(inputs=...): the input's node runs (its hooks too); a non-leaf's
+                # gradient reaches .grad through retain_grad, as in PyTorch.
                 info.needed = True
             else:
                 info.captures.append((input_nr, output_idx))

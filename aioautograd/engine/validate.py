@@ -96,6 +96,13 @@ def _conform(
             f"device {device} but got {grad.device}"
         )
     if grad.data.dtype != dtype:
+        if dtype.kind not in "fc":
+            raise RuntimeError(
+                f"Function {_name(producer)} returned a gradient at index {i} for a tensor "
+                f"of dtype {dtype}, which cannot have gradients: only floating point tensors "
+                "can. Was the .data of a tensor that requires grad replaced by a "
+                "non-floating array? Keep it floating point (or detach the tensor)."
+            )
         if grad.data.dtype.kind not in "fc":
             raise RuntimeError(
                 f"Function {_name(producer)} returned an invalid gradient at index {i} - "

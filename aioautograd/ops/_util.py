@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from aioautograd.devices.device import Device
-from aioautograd.function import Function
+from aioautograd.function import EdgeRule, Function
 from aioautograd.tensor import Tensor, wrap
 
 __all__ = [
@@ -26,6 +26,7 @@ class Op(Function):
 
     _node_suffix = "Backward0"
     _inline_backward = True
+    _edge_rule: ClassVar[EdgeRule] = "differentiable"
 
     if TYPE_CHECKING:
         # ``Function.apply`` as the type checker sees it for a built-in op: one tensor back.

@@ -17,6 +17,8 @@ from aioautograd.tensor import Tensor
 
 
 class Add(Op):
+    _edge_rule = "operands"  # x * 2 has two edges in PyTorch
+
     @staticmethod
     def forward(ctx: FunctionCtx, a: Any, b: Any) -> Tensor:
         a_data, b_data, device = binary_operands(a, b)
@@ -29,6 +31,8 @@ class Add(Op):
 
 
 class Sub(Op):
+    _edge_rule = "operands"
+
     @staticmethod
     def forward(ctx: FunctionCtx, a: Any, b: Any) -> Tensor:
         a_data, b_data, device = binary_operands(a, b)
@@ -41,6 +45,8 @@ class Sub(Op):
 
 
 class Mul(Op):
+    _edge_rule = "operands"
+
     @staticmethod
     def forward(ctx: Any, a: Any, b: Any) -> Tensor:
         a_data, b_data, device = binary_operands(a, b)
@@ -76,6 +82,8 @@ class Mul(Op):
 
 
 class Div(Op):
+    _edge_rule = "operands"
+
     @staticmethod
     def forward(ctx: Any, a: Any, b: Any) -> Tensor:
         a_data, b_data, device = binary_operands(a, b)
@@ -145,6 +153,8 @@ class Neg(Op):
 
 
 class Maximum(Op):
+    _edge_rule = "operands"
+
     @staticmethod
     def forward(ctx: FunctionCtx, a: Any, b: Any) -> Tensor:
         a_data, b_data, device = binary_operands(a, b)
@@ -158,6 +168,8 @@ class Maximum(Op):
 
 
 class Minimum(Op):
+    _edge_rule = "operands"
+
     @staticmethod
     def forward(ctx: FunctionCtx, a: Any, b: Any) -> Tensor:
         a_data, b_data, device = binary_operands(a, b)
@@ -190,6 +202,8 @@ def _extremum_backward(ctx: Any, grad: Tensor, larger: bool) -> tuple[Tensor | N
 
 
 class Where(Op):
+    _edge_rule = "operands"
+
     @staticmethod
     def forward(ctx: FunctionCtx, condition: Tensor, a: Any, b: Any) -> Tensor:
         a_data, b_data, device = binary_operands(a, b)
@@ -227,7 +241,9 @@ def add(a: Any, b: Any) -> Tensor:
 
 # PyTorch's node names for the other operand kinds: ``scalar - tensor`` is RsubBackward1,
 # ``tensor ** tensor`` PowBackward1 and ``scalar ** tensor`` PowBackward2.
-Rsub: type[Sub] = type("Rsub", (Sub,), {"_node_suffix": "Backward1"})
+Rsub: type[Sub] = type(
+    "Rsub", (Sub,), {"_node_suffix": "Backward1", "_edge_rule": "differentiable"}
+)
 PowTensor: type[Pow] = type("Pow", (Pow,), {"_node_suffix": "Backward1"})
 PowScalarBase: type[Pow] = type("Pow", (Pow,), {"_node_suffix": "Backward2"})
 

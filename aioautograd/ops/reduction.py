@@ -47,8 +47,11 @@ def _expand_back(grad: Tensor, shape: Shape, dims: tuple[int, ...], keepdim: boo
         out = grad.xp.empty(shape, grad.data.dtype)
         out[...] = grad.data.reshape(kept) if reinsert else grad.data
         return wrap(out, grad.device)
-    if reinsert:
-        grad = grad.reshape(kept)
+    if reinsert and grad.ndim:
+        # As PyTorch's sum_backward: unsqueeze the reduced dimensions, then expand (a full
+        # reduction's 0-d gradient expands directly).
+        for dim in sorted(dims):
+            grad = grad.unsqueeze(dim)
     return grad.expand(shape)
 
 

@@ -62,6 +62,10 @@ class Reshape(Op):
         return reshape(grad, ctx.shape), None
 
 
+# The same op under PyTorch's node name for unsqueeze.
+Unsqueeze: type[Reshape] = type("Unsqueeze", (Reshape,), {})
+
+
 class Expand(Op):
     @staticmethod
     def forward(ctx: Any, x: Tensor, shape: Shape) -> Tensor:
@@ -252,7 +256,7 @@ def squeeze(x: Tensor, dim: int | Sequence[int] | None = None) -> Tensor:
 def unsqueeze(x: Tensor, dim: int) -> Tensor:
     """Insert a dimension of size 1 at ``dim`` (``-1`` appends one)."""
     d = _dim(dim, x.ndim + 1)
-    return reshape(x, (*x.shape[:d], 1, *x.shape[d:]))
+    return Unsqueeze.apply(x, (*x.shape[:d], 1, *x.shape[d:]))
 
 
 def flatten(x: Tensor, start_dim: int = 0, end_dim: int = -1) -> Tensor:

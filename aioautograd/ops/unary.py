@@ -25,6 +25,26 @@ class Clone(Op):
         return grad
 
 
+class Copy(Op):
+    """The differentiable copy ``AccumulateGrad`` makes of a first gradient under
+    ``create_graph`` (PyTorch names its node ``CopyBackwards``)."""
+
+    _node_suffix = "Backwards"
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor) -> Tensor:
+        return Tensor(x.data.copy(), x.device)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> Tensor:
+        return grad
+
+
+def copy_grad(grad: Tensor) -> Tensor:
+    """A copy of ``grad`` recorded as ``CopyBackwards`` when ``grad`` requires grad."""
+    return Copy.apply(grad)
+
+
 class Cast(Op):
     @staticmethod
     def forward(ctx: Any, x: Tensor, dtype: Any) -> Tensor:
