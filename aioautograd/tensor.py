@@ -440,6 +440,11 @@ class Tensor:
     def clone(self) -> Tensor:
         return unary.clone(self)
 
+    def _copy_grad(self) -> Tensor:
+        """A copy recorded as ``CopyBackwards`` when this tensor requires grad: how a first
+        gradient enters a leaf's ``.grad`` under ``create_graph`` (never aliasing the graph)."""
+        return unary.copy_grad(self)
+
     def contiguous(self) -> Tensor:
         return self
 

@@ -244,7 +244,7 @@ def accumulate_grad(variable: Tensor, grad: Tensor) -> None:
     if _grad_enabled.get():  # create_graph: keep the accumulation differentiable
         # A first gradient is copied differentiably (PyTorch's CopyBackwards node), so
         # .grad never aliases a tensor of the graph.
-        variable._grad = unary.copy_grad(grad) if old is None else old + grad
+        variable._grad = grad._copy_grad() if old is None else old + grad
         return
     if old is None:
         variable._grad = grad if _exclusively_owned(grad) else _detached_copy(grad)
@@ -300,5 +300,3 @@ class Error(Node):
     def apply(self, grads: Grads) -> Sequence[Tensor | None]:
         raise RuntimeError(self.message)
 
-
-from aioautograd.ops import unary  # noqa: E402  (the ops import this module)
