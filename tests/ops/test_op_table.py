@@ -181,6 +181,7 @@ CASES: dict[str, Case] = {
     ),
     # ----------------------------------------------------------------------- unary
     "clone": Case(lambda a: a.clone(), (_r(3),), lambda a: a),
+    "copy_grad": Case(lambda a: a._copy_grad(), (_r(3),), lambda a: a),
     "cast": Case(
         lambda a: a.float().double(),
         (_r(3),),
