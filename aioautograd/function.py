@@ -164,6 +164,8 @@ class Function:
     """
 
     _backward_cls: ClassVar[type[BackwardCFunction]]
+    # ``forward`` itself, or ``forward`` then ``setup_context`` (set per subclass).
+    _forward_with_ctx: ClassVar[Callable[..., Any]]
     # Built-in ops name their nodes like PyTorch's generated ones: ``MulBackward0``.
     _node_suffix: ClassVar[str] = "Backward"
     # Whether the backward runs only library code (built-in ops), so that the engine may
@@ -182,6 +184,10 @@ class Function:
             (base,),
             {"_forward_cls": cls, "inline": cls._inline_backward and base is BackwardCFunction},
         )
+        if cls.setup_context is Function.setup_context:
+            cls._forward_with_ctx = cls.forward
+        else:
+            cls._forward_with_ctx = staticmethod(functools.partial(_forward_then_setup, cls))
 
     @staticmethod
     def forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:
@@ -191,6 +197,29 @@ class Function:
     def backward(ctx: Any, *grad_outputs: Any) -> Any:
         raise NotImplementedError("Function subclasses must implement backward(ctx, ...)")
 
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        """Override to use PyTorch's split style: ``forward(*args)`` takes no ``ctx`` and
+        ``setup_context(ctx, inputs, output)`` fills ``ctx`` (``save_for_backward``,
+        ``mark_dirty``, attributes) from the inputs and forward's output::
+
+            class Square(Function):
+                @staticmethod
+                def forward(x):
+                    return x * x
+
+                @staticmethod
+                def setup_context(ctx, inputs, output):
+                    (x,) = inputs
+                    ctx.save_for_backward(x)
+
+                @staticmethod
+                def backward(ctx, grad):
+                    (x,) = ctx.saved_tensors
+                    return 2 * x * grad
+        """
+        raise NotImplementedError("setup_context is not overridden")
+
     @classmethod
     def apply(cls, *args: Any, **kwargs: Any) -> Any:
         """Run ``forward`` and, when grad mode is on and an input requires grad, record a node."""
@@ -199,13 +228,30 @@ class Function:
                 if isinstance(arg, Tensor) and arg._requires_grad:
                     return _apply_with_grad(cls, args, kwargs)
         ctx = FunctionCtx()
-        outputs = cls.forward(ctx, *args, **kwargs)
-        for tensor in ctx.dirty_tensors:
-            tensor._bump_version()
+        outputs = cls._forward_with_ctx(ctx, *args, **kwargs)
+        dirty = ctx.dirty_tensors
+        if dirty:
+            if dirty[0] is not args[0] or len(dirty) > 1:
+                _check_dirty_are_inputs(cls, dirty, args)
+            for tensor in dirty:
+                tensor._bump_version()
         return outputs
 
 
 _NO_EDGE: Edge = (None, 0)
+
+
+def _forward_then_setup(cls: type[Function], ctx: Any, *args: Any, **kwargs: Any) -> Any:
+    """``forward`` without ``ctx``, then ``setup_context``: what ``apply`` runs for a
+    ``Function`` that overrides ``setup_context``."""
+    if kwargs:
+        raise TypeError(
+            f"{cls.__name__}.apply: a Function with setup_context takes positional arguments "
+            "only (setup_context receives them as the `inputs` tuple)"
+        )
+    output = cls.forward(*args)
+    cls.setup_context(ctx, args, output)
+    return output
 
 
 def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -229,12 +275,14 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
 
     token = _grad_enabled.set(False)
     try:
-        raw = cls.forward(node, *args, **kwargs)
+        raw = cls._forward_with_ctx(node, *args, **kwargs)
     finally:
         _grad_enabled.reset(token)
 
     outputs = raw if type(raw) is tuple else (raw,)
     dirty = node.dirty_tensors
+    if dirty:
+        _check_dirty_are_inputs(cls, dirty, args)
     non_diff = node.non_differentiable
     metadata = node._input_metadata
     output_nr = -1  # a counter, not enumerate(): once per op
@@ -264,21 +312,56 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
             node.metadata["parent_"] = parent
     if node.to_save:
         node._save_variables(outputs)
+    if dirty:
+        for tensor in dirty:
+            if tensor._base is not None and tensor.grad_fn is node:
+                _rebase_view(tensor, node, args)
     return raw
+
+
+def _rebase_view(view: Tensor, node: BackwardCFunction, args: tuple[Any, ...]) -> None:
+    # Imported here: copy_slices uses built-in ops, which import this module.
+    from aioautograd.autograd.copy_slices import rebase_view
+
+    input_nr = next(i for i, arg in enumerate(args) if arg is view)
+    rebase_view(view, node, input_nr)
 
 
 def check_inplace(tensor: Tensor) -> None:
     """Raise PyTorch's error for an in-place op that autograd cannot record."""
-    if tensor.grad_fn is None and tensor._requires_grad:
+    base = tensor._base
+    if base is not None and base._requires_grad:
+        if tensor.grad_fn is None:
+            raise RuntimeError(
+                "A view was created in no_grad mode and is being modified inplace with grad "
+                "mode enabled. Given that this use case is ambiguous and error-prone, it is "
+                "forbidden. You can clarify your code by moving both the view and the inplace "
+                "either both inside the no_grad block (if you don't want the inplace to be "
+                "tracked) or both outside (if you want the inplace to be tracked). (A view "
+                "made before an in-place op through another view of the same base made the "
+                "base require grad is reported here too: take the view again after that op.)"
+            )
+        if base.grad_fn is None:
+            raise RuntimeError(
+                "a view of a leaf Variable that requires grad is being used in an in-place "
+                "operation. Do it under `with aioautograd.no_grad():` (as optimizers do) or "
+                "clone() the leaf first."
+            )
+    elif tensor.grad_fn is None and tensor._requires_grad:
         raise RuntimeError(
             "a leaf Variable that requires grad is being used in an in-place operation. "
             "Do it under `with aioautograd.no_grad():` (as optimizers do) or clone() it first."
         )
-    if tensor._base is not None and tensor._base._requires_grad:
-        raise RuntimeError(
-            "in-place operations on views of tensors that require grad are not supported "
-            "by aioautograd; use the out-of-place operation (or clone() the view first)."
-        )
+
+
+def _check_dirty_are_inputs(cls: type[Function], dirty: tuple[Tensor, ...], args: Any) -> None:
+    for tensor in dirty:
+        if not any(tensor is arg for arg in args):
+            raise RuntimeError(
+                f"{cls.__name__}.forward passed to ctx.mark_dirty() a tensor that is not one of "
+                "its inputs: mark_dirty() declares inputs that forward modified in place. "
+                "Return a new tensor without marking it instead."
+            )
 
 
 def once_differentiable(
