@@ -16,7 +16,13 @@ from typing import Any, ClassVar
 
 from aioautograd.anomaly_mode import _anomaly, current_node
 from aioautograd.autograd.node import Edge, Error, Grads, Node
-from aioautograd.autograd.saved import SavedTensor, second_backward_error, unpack_arrays
+from aioautograd.autograd.saved import (
+    HookedSavedTensor,
+    SavedTensor,
+    saved_tensors_hooks_stack,
+    second_backward_error,
+    unpack_arrays,
+)
 from aioautograd.grad_mode import _grad_enabled
 from aioautograd.tensor import Tensor
 
@@ -91,6 +97,7 @@ class BackwardCFunction(Node, FunctionCtx):
         self._saved = None
 
     def _save_variables(self, outputs: tuple[Any, ...]) -> None:
+        hooks = saved_tensors_hooks_stack.get()
         saved: list[SavedTensor | None] = []
         for tensor in self.to_save:
             if tensor is None:
@@ -102,7 +109,10 @@ class BackwardCFunction(Node, FunctionCtx):
                 )
             else:
                 is_output = tensor is outputs[0] or any(tensor is out for out in outputs[1:])
-                saved.append(SavedTensor(tensor, is_output))
+                if hooks:
+                    saved.append(HookedSavedTensor(tensor, is_output, *hooks[-1]))
+                else:
+                    saved.append(SavedTensor(tensor, is_output))
         self._saved = tuple(saved)
         self.to_save = ()
 

@@ -13,7 +13,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from aioautograd.autograd.hooks import HookDict, RemovableHandle
 from aioautograd.grad_mode import _grad_enabled
@@ -172,6 +172,16 @@ class Node:
     def _add_input_metadata(self, tensor: Tensor) -> int:
         self._input_metadata.append((tensor.data.shape, tensor.data.dtype, tensor.device))
         return len(self._input_metadata) - 1
+
+
+class GradientEdge(NamedTuple):
+    """Where a gradient enters the graph: input ``output_nr`` of ``node`` (PyTorch's
+    ``torch.autograd.graph.GradientEdge``). Get one with ``graph.get_gradient_edge(t)``;
+    ``grad(outputs, inputs=edge)`` differentiates with respect to it, even after the tensor
+    it came from was modified in place or freed."""
+
+    node: Node
+    output_nr: int
 
 
 class GraphRoot(Node):
