@@ -239,12 +239,10 @@ class Function:
                     return _apply_with_grad(cls, args, kwargs)
         ctx = FunctionCtx()
         outputs = cls._forward_with_ctx(ctx, *args, **kwargs)
-        dirty = ctx.dirty_tensors
-        if dirty:
-            if dirty[0] is not args[0] or len(dirty) > 1:
-                _check_dirty_are_inputs(cls, dirty, args)
-            for tensor in dirty:
-                tensor._bump_version()
+        for tensor in ctx.dirty_tensors:
+            if not args or tensor is not args[0]:
+                _check_dirty_are_inputs(cls, (tensor,), args)
+            tensor._bump_version()
         return outputs
 
 
@@ -291,8 +289,6 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
 
     outputs = raw if type(raw) is tuple else (raw,)
     dirty = node.dirty_tensors
-    if dirty:
-        _check_dirty_are_inputs(cls, dirty, args)
     non_diff = node.non_differentiable
     metadata = node._input_metadata
     output_nr = -1  # a counter, not enumerate(): once per op
@@ -323,6 +319,7 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
     if node.to_save:
         node._save_variables(outputs)
     if dirty:
+        _check_dirty_are_inputs(cls, dirty, args)
         for tensor in dirty:
             if tensor._base is not None and tensor.grad_fn is node:
                 _rebase_view(tensor, node, args)

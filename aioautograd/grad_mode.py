@@ -19,7 +19,7 @@ import functools
 import inspect
 from collections.abc import AsyncGenerator, Callable, Generator
 from contextvars import ContextVar, Token
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar, overload
 
 _grad_enabled: ContextVar[bool] = ContextVar("grad_enabled", default=True)
 
@@ -133,17 +133,20 @@ async def _in_mode_async(
 class _BareDecorator(_ModeContext):
     """A mode that also decorates without parentheses: ``@no_grad`` as ``@no_grad()``."""
 
+    @overload
+    def __new__(cls, func: None = None) -> Self: ...
+
+    @overload
+    def __new__(cls, func: F) -> F: ...  # type: ignore[misc]  # @no_grad without parentheses
+
     def __new__(cls, func: Callable[..., Any] | None = None) -> Any:
-        instance = super().__new__(cls)
+        instance = object.__new__(cls)
         if func is None:
             return instance
         if not callable(func):
             raise TypeError(f"{cls.__name__}() takes no arguments other than a function")
         _ModeContext.__init__(instance)
         return instance(func)
-
-    def __init__(self, func: Callable[..., Any] | None = None) -> None:
-        super().__init__()
 
 
 class no_grad(_BareDecorator):
