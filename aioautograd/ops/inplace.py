@@ -51,14 +51,23 @@ class AddInplace(Op):
         return (grad if needs[0] else None), grad_other, None
 
 
+def _snapshot(x: Tensor) -> Tensor:
+    """A copy of ``x``'s values that keeps ``x``'s current place in the graph."""
+    copy = Tensor(x.data.copy(), x.device, x._requires_grad and x.grad_fn is not None)
+    copy.grad_fn = x.grad_fn
+    copy._output_nr = x._output_nr
+    return copy
+
+
 class MulInplace(Op):
     @staticmethod
     def forward(ctx: Any, x: Tensor, other: Any) -> Tensor:
         needs = ctx.needs_input_grad
         other_data = other.data if isinstance(other, Tensor) else device_operand(other, x.device)
         if needs:
-            # d(x*other)/d(other) needs x *before* the update.
-            original = Tensor(x.data.copy(), x.device) if needs[1] else None
+            # d(x*other)/d(other) needs x *before* the update, with x's history then (for
+            # double backward).
+            original = _snapshot(x) if needs[1] else None
             ctx.save_for_backward(original, other if isinstance(other, Tensor) else None)
             ctx.scalar = other_data
         x.xp.multiply(x.data, other_data, out=x.data, casting="same_kind")

@@ -152,8 +152,18 @@ async def test_inplace_through_a_view_makes_a_plain_base_require_grad(torch: Any
 async def test_inplace_on_view_second_derivative() -> None:
     def fn(t: ag.Tensor) -> ag.Tensor:
         base = t * t
-        base[0].mul_(2.5)
+        base[0].mul_(t[1])
         base[1].add_(t[0] * t[1])
+        return base * base
+
+    assert await ag.gradgradcheck(fn, (_randn(2, 3),))
+
+
+async def test_mul_inplace_by_a_tensor_second_derivative() -> None:
+    # The gradient for ``other`` uses x before the update, with x's history then.
+    def fn(t: ag.Tensor) -> ag.Tensor:
+        base = t * t
+        base.mul_(t)
         return base * base
 
     assert await ag.gradgradcheck(fn, (_randn(2, 3),))
