@@ -9,7 +9,8 @@ Two flavours, as in PyTorch:
   ``saved_tensors_hooks`` whose pack hook keeps only a position, not the tensor. The first
   unpack during backward reruns the segment (with the same random numbers) under hooks
   that collect what it saves, and each node gets the tensor at its position. No nested
-  backward, so it composes with ``grad(..., inputs=...)``, hooks and keyword arguments.
+  backward, so it composes with ``grad(..., inputs=...)``, hooks, keyword arguments and
+  double backward (the rerun records on the original inputs).
 """
 
 from __future__ import annotations
@@ -115,13 +116,9 @@ class _Recomputation:
         collected: list[Tensor] = []
 
         def collect(tensor: Tensor) -> int:
-            collected.append(tensor.detach())
+            collected.append(tensor)
             return len(collected) - 1
 
-        inputs = [
-            a.detach().requires_grad_(a.requires_grad) if isinstance(a, Tensor) else a
-            for a in self.args
-        ]
         rng = factories.generator()
         current_state = rng.bit_generator.state
         if self.rng_state is not None:
@@ -129,7 +126,9 @@ class _Recomputation:
         token = saved_tensors_hooks_stack.set(((collect, collected.__getitem__),))
         try:
             with enable_grad():
-                self.function(*inputs, **self.kwargs)
+                # On the original inputs: the recomputed tensors hang off their history, so
+                # a create_graph backward differentiates through them (double backward).
+                self.function(*self.args, **self.kwargs)
         finally:
             saved_tensors_hooks_stack.reset(token)
             if self.rng_state is not None:

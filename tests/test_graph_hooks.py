@@ -193,6 +193,10 @@ async def test_non_reentrant_checkpoint_gradcheck() -> None:
     w = ag.randn(3, 3, dtype="float64", requires_grad=True)
     x = ag.randn(2, 3, dtype="float64", requires_grad=True)
     assert await ag.gradcheck(lambda t, v: ag.checkpoint(_block, t, v, use_reentrant=False), (x, w))
+    # The recomputed saved tensors keep their history: double backward works.
+    assert await ag.gradgradcheck(
+        lambda t, v: ag.checkpoint(_block, t, v, use_reentrant=False), (x, w)
+    )
 
 
 async def test_non_reentrant_checkpoint_drops_activations() -> None:
