@@ -213,3 +213,27 @@ def test_view_of_the_same_shape_is_a_new_view() -> None:
         assert view._base is x
         assert view._version_counter is x._version_counter
         assert view.grad_fn.name() == "ReshapeBackward0"
+
+
+async def test_a_view_taken_before_a_sibling_rebase_is_reported_then_retaken(torch: Any) -> None:
+    # Both libraries refuse an in-place op on the old view (with different messages); the
+    # view taken again gives PyTorch's gradients.
+    w_data = _array(2)
+    base = ag.zeros(4, dtype="float64")
+    stale = base[2:]
+    w = ag.tensor(w_data, requires_grad=True)
+    base[:2].copy_(w * 3)
+    with pytest.raises(RuntimeError, match="take the view again"):
+        stale.mul_(2)
+    base[2:].add_(w)
+    await (base * base).sum().backward()
+
+    tbase = torch.zeros(4, dtype=torch.float64)
+    tstale = tbase[2:]
+    tw = torch.tensor(w_data, requires_grad=True)
+    tbase[:2].copy_(tw * 3)
+    with pytest.raises(RuntimeError, match="in-place operation"):
+        tstale.mul_(2)
+    tbase[2:].add_(tw)
+    (tbase * tbase).sum().backward()
+    assert_close(w.grad, tw.grad)
