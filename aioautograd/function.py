@@ -17,7 +17,13 @@ from typing import Any, ClassVar, Literal
 
 from aioautograd.anomaly_mode import _anomaly, current_node
 from aioautograd.autograd.node import Edge, Error, Grads, Node
-from aioautograd.autograd.saved import SavedTensor, second_backward_error, unpack_arrays
+from aioautograd.autograd.saved import (
+    HookedSavedTensor,
+    SavedTensor,
+    saved_tensors_hooks_stack,
+    second_backward_error,
+    unpack_arrays,
+)
 from aioautograd.grad_mode import _grad_enabled
 from aioautograd.tensor import Tensor
 
@@ -95,6 +101,7 @@ class BackwardCFunction(Node, FunctionCtx):
         self._saved = None
 
     def _save_variables(self, outputs: tuple[Any, ...]) -> None:
+        hooks = saved_tensors_hooks_stack.get()
         saved: list[SavedTensor | None] = []
         for tensor in self.to_save:
             if tensor is None:
@@ -106,7 +113,10 @@ class BackwardCFunction(Node, FunctionCtx):
                 )
             else:
                 is_output = tensor is outputs[0] or any(tensor is out for out in outputs[1:])
-                saved.append(SavedTensor(tensor, is_output))
+                if hooks:
+                    saved.append(HookedSavedTensor(tensor, is_output, *hooks[-1]))
+                else:
+                    saved.append(SavedTensor(tensor, is_output))
         self._saved = tuple(saved)
         self.to_save = ()
 
@@ -224,6 +234,8 @@ class Function:
 
     _backward_cls: ClassVar[type[BackwardCFunction]]
     _tensor_args_backward_cls: ClassVar[type[BackwardCFunction] | None]
+    # ``forward`` itself, or ``forward`` then ``setup_context`` (set per subclass).
+    _forward_with_ctx: ClassVar[Callable[..., Any]]
     # Built-in ops name their nodes like PyTorch's generated ones: ``MulBackward0``.
     _node_suffix: ClassVar[str] = "Backward"
     # Whether the backward runs only library code (built-in ops), so that the engine may
@@ -258,6 +270,10 @@ class Function:
                 {},
             )
         return node_cls
+        if cls.setup_context is Function.setup_context:
+            cls._forward_with_ctx = cls.forward
+        else:
+            cls._forward_with_ctx = staticmethod(functools.partial(_forward_then_setup, cls))
 
     @staticmethod
     def forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:
@@ -266,6 +282,29 @@ class Function:
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Any) -> Any:
         raise NotImplementedError("Function subclasses must implement backward(ctx, ...)")
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        """Override to use PyTorch's split style: ``forward(*args)`` takes no ``ctx`` and
+        ``setup_context(ctx, inputs, output)`` fills ``ctx`` (``save_for_backward``,
+        ``mark_dirty``, attributes) from the inputs and forward's output::
+
+            class Square(Function):
+                @staticmethod
+                def forward(x):
+                    return x * x
+
+                @staticmethod
+                def setup_context(ctx, inputs, output):
+                    (x,) = inputs
+                    ctx.save_for_backward(x)
+
+                @staticmethod
+                def backward(ctx, grad):
+                    (x,) = ctx.saved_tensors
+                    return 2 * x * grad
+        """
+        raise NotImplementedError("setup_context is not overridden")
 
     @classmethod
     def apply(cls, *args: Any, **kwargs: Any) -> Any:
@@ -276,10 +315,12 @@ class Function:
                     return _apply_with_grad(cls, args, kwargs)
         ctx = FunctionCtx()
         try:
-            outputs = cls.forward(ctx, *args, **kwargs)
+            outputs = cls._forward_with_ctx(ctx, *args, **kwargs)
         except ValueError as exc:
             raise _broadcast_error(cls, args, exc) from exc
         for tensor in ctx.dirty_tensors:
+            if not args or tensor is not args[0]:
+                _check_dirty_are_inputs(cls, (tensor,), args)
             tensor._bump_version()
         return outputs
 
@@ -321,6 +362,19 @@ def _broadcast_error(cls: type[Function], args: tuple[Any, ...], exc: ValueError
     )
 
 
+def _forward_then_setup(cls: type[Function], ctx: Any, *args: Any, **kwargs: Any) -> Any:
+    """``forward`` without ``ctx``, then ``setup_context``: what ``apply`` runs for a
+    ``Function`` that overrides ``setup_context``."""
+    if kwargs:
+        raise TypeError(
+            f"{cls.__name__}.apply: a Function with setup_context takes positional arguments "
+            "only (setup_context receives them as the `inputs` tuple)"
+        )
+    output = cls.forward(*args)
+    cls.setup_context(ctx, args, output)
+    return output
+
+
 def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     edges: list[Edge] = []
     needs: list[bool] = []
@@ -360,7 +414,7 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
 
     token = _grad_enabled.set(False)
     try:
-        raw = cls.forward(node, *args, **kwargs)
+        raw = cls._forward_with_ctx(node, *args, **kwargs)
     except ValueError as exc:
         raise _broadcast_error(cls, args, exc) from exc
     finally:
@@ -406,6 +460,11 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
             node.metadata["parent_"] = parent
     if node.to_save:
         node._save_variables(outputs)
+    if dirty:
+        _check_dirty_are_inputs(cls, dirty, args)
+        for tensor in dirty:
+            if tensor._base is not None and tensor.grad_fn is node:
+                _rebase_view(tensor, node, args)
     return raw
 
 
@@ -439,18 +498,49 @@ def _adopt_input(
     return out
 
 
+def _rebase_view(view: Tensor, node: BackwardCFunction, args: tuple[Any, ...]) -> None:
+    # Imported here: copy_slices uses built-in ops, which import this module.
+    from aioautograd.autograd.copy_slices import rebase_view
+
+    input_nr = next(i for i, arg in enumerate(args) if arg is view)
+    rebase_view(view, node, input_nr)
+
+
 def check_inplace(tensor: Tensor) -> None:
     """Raise PyTorch's error for an in-place op that autograd cannot record."""
-    if tensor.grad_fn is None and tensor._requires_grad:
+    base = tensor._base
+    if base is not None and base._requires_grad:
+        if tensor.grad_fn is None:
+            raise RuntimeError(
+                "A view was created in no_grad mode and is being modified inplace with grad "
+                "mode enabled. Given that this use case is ambiguous and error-prone, it is "
+                "forbidden. You can clarify your code by moving both the view and the inplace "
+                "either both inside the no_grad block (if you don't want the inplace to be "
+                "tracked) or both outside (if you want the inplace to be tracked). (A view "
+                "made before an in-place op through another view of the same base made the "
+                "base require grad is reported here too: take the view again after that op.)"
+            )
+        if base.grad_fn is None:
+            raise RuntimeError(
+                "a view of a leaf Variable that requires grad is being used in an in-place "
+                "operation. Do it under `with aioautograd.no_grad():` (as optimizers do) or "
+                "clone() the leaf first."
+            )
+    elif tensor.grad_fn is None and tensor._requires_grad:
         raise RuntimeError(
             "a leaf Variable that requires grad is being used in an in-place operation. "
             "Do it under `with aioautograd.no_grad():` (as optimizers do) or clone() it first."
         )
-    if tensor._base is not None and tensor._base._requires_grad:
-        raise RuntimeError(
-            "in-place operations on views of tensors that require grad are not supported "
-            "by aioautograd; use the out-of-place operation (or clone() the view first)."
-        )
+
+
+def _check_dirty_are_inputs(cls: type[Function], dirty: tuple[Tensor, ...], args: Any) -> None:
+    for tensor in dirty:
+        if not any(tensor is arg for arg in args):
+            raise RuntimeError(
+                f"{cls.__name__}.forward passed to ctx.mark_dirty() a tensor that is not one of "
+                "its inputs: mark_dirty() declares inputs that forward modified in place. "
+                "Return a new tensor without marking it instead."
+            )
 
 
 def once_differentiable(

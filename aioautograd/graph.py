@@ -1,13 +1,95 @@
-"""Public helpers over the backward graph: ``walk``, ``to_dot`` (Graphviz source) and
-``draw`` (a matplotlib figure, for when Graphviz is not installed)."""
+"""Public helpers over the backward graph (PyTorch's ``torch.autograd.graph``):
+``saved_tensors_hooks``, ``GradientEdge`` / ``get_gradient_edge``, ``increment_version``,
+``walk``, ``to_dot`` (Graphviz source) and ``draw`` (a matplotlib figure, for when Graphviz
+is not installed)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from contextvars import Token
 from typing import Any
 
-from aioautograd.autograd.node import AccumulateGrad, Node
+from aioautograd.autograd.node import AccumulateGrad, GradientEdge, Node
+from aioautograd.autograd.saved import PackHook, UnpackHook, saved_tensors_hooks_stack
 from aioautograd.tensor import Tensor
+
+__all__ = [
+    "GradientEdge",
+    "get_gradient_edge",
+    "increment_version",
+    "saved_tensors_hooks",
+    "to_dot",
+    "walk",
+]
+
+
+class saved_tensors_hooks:
+    """Within this block, tensors that nodes save for backward go through
+    ``pack_hook(tensor) -> packed`` when saved and ``unpack_hook(packed) -> tensor`` when the
+    backward reads them (PyTorch's ``torch.autograd.graph.saved_tensors_hooks``).
+
+    The hooks live in a ``ContextVar``: they apply to the current asyncio task (or the
+    thread outside any task) only, so two tasks never see each other's hooks. Nested blocks:
+    the innermost pair applies. ``unpack_hook`` runs during backward, usually on an executor
+    thread, and must return a tensor with the saved tensor's content. Example::
+
+        def pack(t):
+            return t.detach().cpu()          # e.g. offload to the host
+
+        def unpack(t):
+            return t.to(device)
+
+        with saved_tensors_hooks(pack, unpack):
+            loss = model(x).sum()
+        await loss.backward()
+
+    Tensors that built-in ops keep other than through ``save_for_backward`` (Python
+    numbers, masks) are not passed to the hooks.
+    """
+
+    def __init__(self, pack_hook: PackHook, unpack_hook: UnpackHook) -> None:
+        self.pack_hook = pack_hook
+        self.unpack_hook = unpack_hook
+        self._tokens: list[Token[tuple[tuple[PackHook, UnpackHook], ...]]] = []
+
+    def __enter__(self) -> saved_tensors_hooks:
+        stack = saved_tensors_hooks_stack.get()
+        pair = (self.pack_hook, self.unpack_hook)
+        self._tokens.append(saved_tensors_hooks_stack.set((*stack, pair)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        saved_tensors_hooks_stack.reset(self._tokens.pop())
+
+
+def get_gradient_edge(tensor: Tensor) -> GradientEdge:
+    """The edge through which gradient flows into ``tensor``: ``(tensor.grad_fn,
+    tensor.output_nr)``, or the leaf's ``AccumulateGrad`` node.
+
+    Pass it to ``grad(..., inputs=edge)`` to differentiate with respect to the tensor as it
+    was here, even if it is later modified in place.
+
+    Raises:
+        RuntimeError: if ``tensor`` does not require grad.
+    """
+    if not tensor.requires_grad:
+        raise RuntimeError(
+            "It is not possible to get the gradient edge for a Tensor that does not require "
+            "gradients; call requires_grad_() on the leaf first"
+        )
+    node, output_nr = tensor._gradient_edge()
+    return GradientEdge(node, output_nr)
+
+
+def increment_version(tensor: Tensor | Iterable[Tensor]) -> None:
+    """Bump the version counter of ``tensor`` (or of each tensor of an iterable), as an
+    in-place op does: for code that changes ``tensor.data`` behind autograd's back, so that
+    a backward that saved the tensor fails loudly instead of using the new values."""
+    tensors: Iterable[Any] = (tensor,) if isinstance(tensor, Tensor) else tensor
+    for item in tensors:
+        if not isinstance(item, Tensor):
+            raise TypeError(f"increment_version expects Tensors, got {type(item).__name__}")
+        item._bump_version()
 
 
 def walk(root: Tensor | Node) -> Iterator[Node]:

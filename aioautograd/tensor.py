@@ -232,6 +232,15 @@ class Tensor:
             _check_grad_assignment(self, value)
         self._grad = value
 
+    @grad.deleter
+    def grad(self) -> None:
+        self._grad = None
+
+    def data_ptr(self) -> builtins.int:
+        """The address of this tensor's first element (views of one storage differ by
+        their offset, as in PyTorch)."""
+        return _data_ptr(self.data)
+
     # ---------------------------------------------------------------------- graph access
     def _gradient_edge(self) -> tuple[Node, builtins.int]:
         """The (node, input_nr) through which gradient flows into this tensor."""
@@ -669,6 +678,51 @@ class Tensor:
     ) -> Tensor:
         return reduction.var(self, dim, unbiased, keepdim, correction=correction)
 
+    def std(
+        self,
+        dim: builtins.int | Sequence[builtins.int] | None = None,
+        unbiased: builtins.bool | None = None,
+        keepdim: builtins.bool = False,
+        *,
+        correction: builtins.int | None = None,
+    ) -> Tensor:
+        return reduction.std(self, dim, unbiased, keepdim, correction=correction)
+
+    def var_mean(
+        self,
+        dim: builtins.int | Sequence[builtins.int] | None = None,
+        unbiased: builtins.bool | None = None,
+        keepdim: builtins.bool = False,
+        *,
+        correction: builtins.int | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        return reduction.var_mean(self, dim, unbiased, keepdim, correction=correction)
+
+    def all(
+        self,
+        dim: builtins.int | Sequence[builtins.int] | None = None,
+        keepdim: builtins.bool = False,
+    ) -> Tensor:
+        return reduction.all(self, dim, keepdim)
+
+    def any(
+        self,
+        dim: builtins.int | Sequence[builtins.int] | None = None,
+        keepdim: builtins.bool = False,
+    ) -> Tensor:
+        return reduction.any(self, dim, keepdim)
+
+    def norm(
+        self,
+        p: builtins.float | str | None = "fro",
+        dim: builtins.int | tuple[builtins.int, ...] | None = None,
+        keepdim: builtins.bool = False,
+    ) -> Tensor:
+        return linalg.norm(self, p, dim, keepdim)
+
+    def cumsum(self, dim: builtins.int) -> Tensor:
+        return reduction.cumsum(self, dim)
+
     def logsumexp(
         self, dim: builtins.int | Sequence[builtins.int], keepdim: builtins.bool = False
     ) -> Tensor:
@@ -692,6 +746,12 @@ class Tensor:
 
     def view(self, *shape: Any) -> Tensor:
         return shape_ops.view(self, _shape_args(shape))
+
+    def view_as(self, other: Tensor) -> Tensor:
+        return shape_ops.view_as(self, other)
+
+    def narrow(self, dim: builtins.int, start: builtins.int, length: builtins.int) -> Tensor:
+        return shape_ops.narrow(self, dim, start, length)
 
     def transpose(self, dim0: builtins.int, dim1: builtins.int) -> Tensor:
         return shape_ops.transpose(self, dim0, dim1)
@@ -729,6 +789,12 @@ class Tensor:
     def __getitem__(self, index: Any) -> Tensor:
         return indexing.getitem(self, index)
 
+    def __setitem__(self, index: Any, value: Any) -> None:
+        indexing.setitem(self, index, value)
+
+    def masked_fill(self, mask: Tensor, value: Any) -> Tensor:
+        return arithmetic.masked_fill(self, mask, value)
+
     def gather(self, dim: builtins.int, index: Tensor) -> Tensor:
         return indexing.gather(self, dim, index)
 
@@ -745,8 +811,14 @@ class Tensor:
     def mul_(self, other: Any) -> Tensor:
         return inplace.mul_(self, other)
 
+    def exp_(self) -> Tensor:
+        return inplace.exp_(self)
+
     def zero_(self) -> Tensor:
         return inplace.zero_(self)
+
+    def fill_(self, value: Any) -> Tensor:
+        return inplace.fill_(self, value)
 
     def copy_(self, src: Any) -> Tensor:
         return inplace.copy_(self, src)
@@ -775,6 +847,12 @@ def _engine_api() -> ModuleType:
 
         _api = api
     return _api
+
+
+def _data_ptr(array: Array) -> builtins.int:
+    if isinstance(array, np.ndarray):
+        return builtins.int(array.__array_interface__["data"][0])
+    return builtins.int(array.data.ptr)  # CuPy: a MemoryPointer
 
 
 def _shape_args(args: tuple[Any, ...]) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from aioautograd.autograd.hooks import HookDict, RemovableHandle
 from aioautograd.grad_mode import _grad_enabled
@@ -174,6 +174,16 @@ class Node:
         return len(self._input_metadata) - 1
 
 
+class GradientEdge(NamedTuple):
+    """Where a gradient enters the graph: input ``output_nr`` of ``node`` (PyTorch's
+    ``torch.autograd.graph.GradientEdge``). Get one with ``graph.get_gradient_edge(t)``;
+    ``grad(outputs, inputs=edge)`` differentiates with respect to it, even after the tensor
+    it came from was modified in place or freed."""
+
+    node: Node
+    output_nr: int
+
+
 class GraphRoot(Node):
     """The node the engine starts from: it emits the root gradients along its edges."""
 
@@ -299,4 +309,3 @@ class Error(Node):
 
     def apply(self, grads: Grads) -> Sequence[Tensor | None]:
         raise RuntimeError(self.message)
-

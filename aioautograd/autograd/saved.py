@@ -8,6 +8,8 @@ node, so double backward through saved outputs works.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from aioautograd.tensor import Tensor, VersionCounter
@@ -21,6 +23,16 @@ _SECOND_BACKWARD = (
     "when you call .backward() or autograd.grad(). Specify retain_graph=True if you need to "
     "backward through the graph a second time or if you need to access saved tensors after "
     "calling backward."
+)
+
+
+PackHook = Callable[[Tensor], Any]
+UnpackHook = Callable[[Any], Tensor]
+
+# The (pack, unpack) pairs of the enclosing ``graph.saved_tensors_hooks`` blocks, innermost
+# last: a ContextVar, so each asyncio task sees only its own.
+saved_tensors_hooks_stack: ContextVar[tuple[tuple[PackHook, UnpackHook], ...]] = ContextVar(
+    "saved_tensors_hooks", default=()
 )
 
 
@@ -77,6 +89,50 @@ class SavedTensor:
         )
 
 
+class HookedSavedTensor(SavedTensor):
+    """A saved tensor stored as whatever the pack hook returned; unpacked by the unpack hook.
+
+    Keeps the version counter (not the tensor), so an in-place change of the original is
+    still reported. A saved output is passed to ``pack`` without its ``grad_fn`` (as
+    :class:`SavedTensor` keeps it), and unpacking attaches the node again.
+    """
+
+    __slots__ = ("_device", "_packed", "_requires_grad", "_unpack_hook")
+
+    def __init__(self, tensor: Tensor, is_output: bool, pack: PackHook, unpack: UnpackHook) -> None:
+        super().__init__(tensor, is_output)
+        self._packed = pack(self._tensor)
+        self._unpack_hook = unpack
+        self._requires_grad = tensor._requires_grad
+        self._device = tensor.device
+        self._tensor = None  # type: ignore[assignment]  # held by the pack hook, if at all
+
+    def unpack(self, node: Node) -> Tensor:
+        if self._counter.value != self._saved_version:
+            raise RuntimeError(self._modified_message(node))
+        tensor = self._unpack_hook(self._packed)
+        if not isinstance(tensor, Tensor):
+            raise TypeError(
+                "Output of saved tensor unpack_hook expected to be a Tensor but got result of "
+                f"type {type(tensor).__name__}; the unpack hook must return a Tensor"
+            )
+        if not self._is_output or not self._requires_grad:
+            return tensor
+        out = Tensor(tensor.data, tensor.device, True)
+        out._version_counter = self._counter
+        out.grad_fn = node
+        out._output_nr = self._output_nr
+        return out
+
+    def _modified_message(self, node: Node) -> str:
+        return (
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: a tensor saved through saved_tensors_hooks on {self._device} "
+            f"is at version {self._counter.value}; expected version {self._saved_version} "
+            "instead. Hint: clone() the tensor before modifying it in place."
+        )
+
+
 def unpack_arrays(saved: tuple[SavedTensor | None, ...], node: Node) -> tuple[Any, ...]:
     """The arrays of ``saved`` (``None`` stays ``None``), each version-checked."""
     arrays: list[Any] = []
@@ -86,7 +142,8 @@ def unpack_arrays(saved: tuple[SavedTensor | None, ...], node: Node) -> tuple[An
         elif entry._counter.value != entry._saved_version:
             raise RuntimeError(entry._modified_message(node))
         else:
-            arrays.append(entry._tensor.data)
+            tensor = entry._tensor
+            arrays.append((entry.unpack(node) if tensor is None else tensor).data)
     return tuple(arrays)
 
 

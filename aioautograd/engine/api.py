@@ -6,18 +6,20 @@ import warnings
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from aioautograd.autograd.node import Edge
+from aioautograd.autograd.node import Edge, GradientEdge
 from aioautograd.autograd.unawaited import track
 from aioautograd.engine.engine import Engine
 from aioautograd.tensor import Tensor
 
 TensorOrTensors = Tensor | Sequence[Tensor]
+# What ``grad`` differentiates with respect to: tensors or gradient edges.
+GradInputs = Tensor | GradientEdge | Sequence[Tensor | GradientEdge]
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:
     if value is None:
         return ()
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)) and not isinstance(value, GradientEdge):
         return tuple(value)
     return (value,)
 
@@ -89,9 +91,12 @@ def _root_edges(tensors: tuple[Tensor, ...]) -> list[Edge]:
     return edges
 
 
-def _input_edges(inputs: tuple[Tensor, ...]) -> list[Edge]:
+def _input_edges(inputs: tuple[Any, ...], allow_gradient_edges: bool = False) -> list[Edge]:
     edges: list[Edge] = []
     for tensor in inputs:
+        if allow_gradient_edges and isinstance(tensor, GradientEdge):
+            edges.append((tensor.node, tensor.output_nr))
+            continue
         if not isinstance(tensor, Tensor):
             raise TypeError(f"inputs must be Tensors, got {type(tensor).__name__}")
         if not tensor._requires_grad:
@@ -209,7 +214,7 @@ def backward_sync(
 
 def _prepare_grad(
     outputs: TensorOrTensors,
-    inputs: TensorOrTensors,
+    inputs: GradInputs,
     grad_outputs: Any,
     retain_graph: bool | None,
     create_graph: bool,
@@ -225,12 +230,12 @@ def _prepare_grad(
     roots = _root_edges(output_tuple)
     checked = _make_grads(output_tuple, grads)
     keep_graph = create_graph if retain_graph is None else retain_graph
-    return roots, checked, keep_graph, _input_edges(input_tuple)
+    return roots, checked, keep_graph, _input_edges(input_tuple, allow_gradient_edges=True)
 
 
 def _finish_grad(
     captured: list[Tensor | None],
-    inputs: TensorOrTensors,
+    inputs: GradInputs,
     allow_unused: bool,
     materialize_grads: bool,
     create_graph: bool,
@@ -239,8 +244,11 @@ def _finish_grad(
     result: list[Tensor | None] = []
     for tensor, grad in zip(input_tuple, captured, strict=True):
         if grad is None:
-            if materialize_grads:
+            if materialize_grads and isinstance(tensor, GradientEdge):
+                shape, dtype, device = tensor.node.input_metadata(tensor.output_nr)
                 # Zeros that require grad under create_graph (a leaf), as PyTorch makes them.
+                grad = Tensor(device.xp.zeros(shape, dtype), device, create_graph)
+            elif materialize_grads:
                 grad = Tensor(tensor.xp.zeros_like(tensor.data), tensor.device, create_graph)
             elif not allow_unused:
                 raise RuntimeError(
@@ -253,7 +261,7 @@ def _finish_grad(
 
 async def grad(
     outputs: TensorOrTensors,
-    inputs: TensorOrTensors,
+    inputs: GradInputs,
     grad_outputs: TensorOrTensors | None = None,
     retain_graph: bool | None = None,
     create_graph: bool = False,
@@ -263,7 +271,8 @@ async def grad(
     """Return the gradients of ``outputs`` with respect to ``inputs`` (``.grad`` untouched).
 
     Only the part of the graph between them runs. With ``create_graph=True`` the results
-    are differentiable (Hessian-vector products, gradient penalties).
+    are differentiable (Hessian-vector products, gradient penalties). An input may be a
+    ``graph.GradientEdge`` instead of a tensor.
 
     Raises:
         RuntimeError: if an input was not used in the graph and ``allow_unused`` is false,
@@ -280,7 +289,7 @@ async def grad(
 
 def grad_sync(
     outputs: TensorOrTensors,
-    inputs: TensorOrTensors,
+    inputs: GradInputs,
     grad_outputs: TensorOrTensors | None = None,
     retain_graph: bool | None = None,
     create_graph: bool = False,

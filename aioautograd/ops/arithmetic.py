@@ -290,3 +290,29 @@ def where(condition: Tensor, a: Any, b: Any) -> Tensor:
     if not isinstance(condition, Tensor):
         raise TypeError("where: condition must be a boolean Tensor")
     return Where.apply(condition, a, b)
+
+
+def masked_fill(x: Tensor, mask: Tensor, value: Any) -> Tensor:
+    """``x`` with ``value`` where the boolean ``mask`` (broadcast to ``x``) is true.
+
+    ``value`` is a number or a 0-d tensor; a tensor value gets the gradient summed over
+    the filled positions.
+
+    Raises:
+        RuntimeError: for a non-boolean mask or a ``value`` tensor with dimensions.
+    """
+    if not isinstance(mask, Tensor) or mask.dtype.kind != "b":
+        raise RuntimeError(
+            "masked_fill only supports boolean masks, but got mask with dtype "
+            f"{getattr(mask, 'dtype', type(mask).__name__)}; build it with a comparison "
+            "(x > 0) or .bool()"
+        )
+    if isinstance(value, Tensor):
+        if value.ndim:
+            raise RuntimeError(
+                "masked_fill_ only supports a 0-dimensional value tensor, but got tensor with "
+                f"{value.ndim} dimension(s)."
+            )
+        value = value.to(x.dtype)
+    mask = Tensor(x.xp.broadcast_to(mask.data, x.shape), x.device)
+    return where(mask, value, x)

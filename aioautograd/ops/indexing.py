@@ -1,10 +1,16 @@
-"""Indexing: ``__getitem__`` (basic and advanced), ``gather``, ``index_select``.
+"""Indexing: ``__getitem__`` and ``__setitem__`` (basic and advanced), ``gather``,
+``index_select``.
 
 Basic indexing (ints, slices, ``None``, ``...``) returns a view; advanced indexing (integer
 arrays, lists or tensors, boolean masks, mixed with basic items) returns a copy. The backward
 of every gathering op scatters the gradient into zeros, *adding* at repeated indices
 (``numpy.add.at``, ``cupy.add.at``), and the backward of that scatter is the gather
 again, so second derivatives work.
+
+Integer indices are bounds-checked before use, as in PyTorch: NumPy would wrap ``-1`` in
+``gather`` (and CuPy wraps everything), sending the gradient to the wrong element.
+``x[index] = value`` is a copy into the view ``x[index]`` for a basic index (recorded as
+PyTorch's ``CopySlices`` when it needs a graph) and ``IndexPutInplace`` for an advanced one.
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from aioautograd.ops._util import Op, wrap
+from aioautograd.ops import inplace
+from aioautograd.ops._util import Op, as_tensor_like, wrap
+from aioautograd.ops.arithmetic import where
 from aioautograd.tensor import Tensor
 
 
@@ -180,6 +188,102 @@ class IndexAdd(Op):
         return IndexSelect.apply(grad, ctx.dim, index), None, None, None
 
 
+class IndexPutInplace(Op):
+    """``x[index] = value`` for an advanced index: ``value`` broadcast to the selection."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, index: Any, value: Tensor) -> Tensor:
+        ctx.index = index
+        ctx.value_dtype = value.dtype
+        x.data[index] = value.data
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, Tensor | None]:
+        needs = ctx.needs_input_grad
+        index = ctx.index
+        grad_x = grad_value = None
+        if needs[0]:
+            # The overwritten elements do not reach the result.
+            mask = grad.xp.zeros(grad.shape, dtype=bool)
+            mask[index] = True
+            grad_x = where(Tensor(mask, grad.device), 0.0, grad)
+        if needs[2]:
+            # validate_outputs sums the selection back to value's (broadcast) shape.
+            grad_value = Index.apply(grad, index).to(ctx.value_dtype)
+        return grad_x, None, grad_value
+
+
+def _is_integer_array(item: Any) -> bool:
+    dtype = getattr(item, "dtype", None)
+    return dtype is not None and hasattr(item, "ndim") and dtype.kind in "iu"
+
+
+def _first_out_of_bounds(index: Any, size: int, allow_negative: bool) -> int | None:
+    """The first entry of the integer array ``index`` outside ``[-size, size)`` (or
+    ``[0, size)``), or ``None``. One pass on the device and one host sync."""
+    if index.size == 0:
+        return None
+    low = -size if allow_negative else 0
+    bad = (index < low) | (index >= size)
+    if not bool(bad.any()):
+        return None
+    return int(index[bad].ravel()[0])
+
+
+def _check_advanced_bounds(shape: tuple[int, ...], index: Any) -> None:
+    """Raise PyTorch's IndexError for an integer array in ``index`` outside its dimension."""
+    items = index if isinstance(index, tuple) else (index,)
+
+    def width(item: Any) -> int:
+        if item is None or item is Ellipsis or isinstance(item, bool):
+            return 0
+        if getattr(item, "dtype", None) is not None and item.dtype.kind == "b":
+            return int(item.ndim)
+        return 1
+
+    consumed = sum(width(item) for item in items)
+    dim = 0
+    for item in items:
+        if item is Ellipsis:
+            dim += len(shape) - consumed
+            continue
+        if _is_integer_array(item) and dim < len(shape):
+            bad = _first_out_of_bounds(item, shape[dim], allow_negative=True)
+            if bad is not None:
+                raise IndexError(
+                    f"index {bad} is out of bounds for dimension {dim} with size {shape[dim]}"
+                )
+        dim += width(item)
+
+
+def setitem(x: Tensor, index: Any, value: Any) -> None:
+    """``x[index] = value`` in place, differentiable in ``x`` and ``value``.
+
+    ``value`` (a number, array or tensor) is broadcast to the selection and cast to ``x``'s
+    dtype. A basic index copies into the view ``x[index]``: when a graph is recorded, ``x``'s
+    ``grad_fn`` becomes ``CopySlices`` (as in PyTorch). An advanced index records
+    ``IndexPutInplaceBackward0``; with repeated indices the last write wins and each
+    occurrence sends its gradient to ``value``.
+
+    Raises:
+        RuntimeError: on a leaf that requires grad (or a view of one) while grad mode is
+            on, as for every in-place op; wrap the assignment in ``no_grad()``.
+        IndexError: for an integer index out of range.
+    """
+    source = as_tensor_like(value, x)
+    if source.device is not x.device:
+        source = source.to(x.device)
+    data = _index_data(index, x.xp)
+    if _is_basic(data):
+        inplace.copy_(GetItem.apply(x, _as_view_index(data)), source)
+        return
+    _check_advanced_bounds(x.shape, data)
+    inplace.check_target(x, source)
+    IndexPutInplace.apply(x, data, source)
+
+
 def getitem(x: Tensor, index: Any) -> Tensor:
     """``x[index]`` with NumPy semantics.
 
@@ -190,6 +294,7 @@ def getitem(x: Tensor, index: Any) -> Tensor:
     data = _index_data(index, x.xp)
     if _is_basic(data):
         return GetItem.apply(x, _as_view_index(data))
+    _check_advanced_bounds(x.shape, data)
     return Index.apply(x, data)
 
 
@@ -229,6 +334,9 @@ def gather(x: Tensor, dim: int, index: Tensor) -> Tensor:
                 f"Size does not match at dimension {axis} expected index {list(index.shape)} "
                 f"to be no larger than self {list(x.shape)} apart from dimension {d}"
             )
+    bad = _first_out_of_bounds(index.data, x.shape[d], allow_negative=False)
+    if bad is not None:
+        raise RuntimeError(f"index {bad} is out of bounds for dimension {d} with size {x.shape[d]}")
     return Gather.apply(x, d, index)
 
 
@@ -252,4 +360,9 @@ def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
         index = Tensor(index.data.reshape(1), index.device)
     if x.ndim == 0:
         return index_select(x.reshape(1), 0, index).reshape(())
+    if _first_out_of_bounds(index.data, x.shape[d], allow_negative=False) is not None:
+        raise IndexError(
+            "index out of range in self (index_select takes indices in [0, "
+            f"{x.shape[d]}) along dimension {d}; negative indices are not wrapped)"
+        )
     return IndexSelect.apply(x, d, index)

@@ -1,5 +1,5 @@
-"""In-place ops ``add_ mul_ zero_ copy_``: they bump the version counter and, when recording,
-rebase the modified tensor's history onto the new node (``mark_dirty``)."""
+"""In-place ops ``add_ mul_ exp_ zero_ fill_ copy_``: they bump the version counter and, when
+recording, rebase the modified tensor's history onto the new node (``mark_dirty``)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,15 @@ from aioautograd.ops._util import Op, as_tensor_like, device_operand
 from aioautograd.tensor import Tensor
 
 
-def _check_target(x: Tensor, *sources: Any) -> None:
+def check_target(x: Tensor, *sources: Any) -> None:
+    """Raise PyTorch's error when ``x`` cannot be modified in place (see ``check_inplace``)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"in-place ops need a Tensor to modify, got {type(x).__name__}")
+    base = x._base
     if is_grad_enabled() and (
-        x._requires_grad or any(isinstance(s, Tensor) and s._requires_grad for s in sources)
+        x._requires_grad
+        or (base is not None and base._requires_grad)
+        or any(isinstance(s, Tensor) and s._requires_grad for s in sources)
     ):
         check_inplace(x)
     if x.xp is np and not x.data.flags.writeable:
@@ -47,17 +51,24 @@ class AddInplace(Op):
         return (grad if needs[0] else None), grad_other, None
 
 
+def _snapshot(x: Tensor) -> Tensor:
+    """A copy of ``x``'s values that keeps ``x``'s current place in the graph."""
+    copy = Tensor(x.data.copy(), x.device, x._requires_grad and x.grad_fn is not None)
+    copy.grad_fn = x.grad_fn
+    copy._output_nr = x._output_nr
+    return copy
+
+
 class MulInplace(Op):
     @staticmethod
     def forward(ctx: Any, x: Tensor, other: Any, original: Tensor | None = None) -> Tensor:
         needs = ctx.needs_input_grad
         other_data = other.data if isinstance(other, Tensor) else device_operand(other, x.device)
         if needs:
-            # d(x*other)/d(other) needs x *before* the update: ``original``, cloned by
-            # ``mul_`` with x's history so that it stays differentiable (create_graph).
-            ctx.save_for_backward(
-                original if needs[1] else None, other if isinstance(other, Tensor) else None
-            )
+            # d(x*other)/d(other) needs x *before* the update, with x's history then (for
+            # double backward).
+            original = _snapshot(x) if needs[1] else None
+            ctx.save_for_backward(original, other if isinstance(other, Tensor) else None)
             ctx.scalar = other_data
         x.xp.multiply(x.data, other_data, out=x.data, casting="same_kind")
         ctx.mark_dirty(x)
@@ -85,6 +96,34 @@ class ZeroInplace(Op):
         return grad * 0.0
 
 
+class ExpInplace(Op):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        x.xp.exp(x.data, out=x.data)
+        ctx.mark_dirty(x)
+        if ctx.needs_input_grad:
+            ctx.save_for_backward(x)  # the result: d exp(x) = exp(x)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (result,) = ctx.saved_tensors
+        return grad * result  # type: ignore[no-any-return]
+
+
+class FillInplace(Op):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, value: Any) -> Tensor:
+        x.data[...] = value.data if isinstance(value, Tensor) else value
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        needs = ctx.needs_input_grad
+        return (grad * 0.0 if needs[0] else None), (grad.sum() if needs[1] else None)
+
+
 class CopyInplace(Op):
     @staticmethod
     def forward(ctx: Any, x: Tensor, src: Tensor) -> Tensor:
@@ -103,23 +142,45 @@ class CopyInplace(Op):
 
 def add_(x: Tensor, other: Any, alpha: float = 1) -> Tensor:
     """``x += alpha * other`` in place."""
-    _check_target(x, other)
+    check_target(x, other)
     return AddInplace.apply(x, other, alpha)
 
 
 def mul_(x: Tensor, other: Any) -> Tensor:
     """``x *= other`` in place."""
-    _check_target(x, other)
-    original = None
-    if isinstance(other, Tensor) and other._requires_grad and is_grad_enabled():
-        original = x.clone()  # recorded: a keyword, so no edge of the node
-    return MulInplace.apply(x, other, original=original)
+    check_target(x, other)
+    return MulInplace.apply(x, other)
 
 
 def zero_(x: Tensor) -> Tensor:
     """Fill ``x`` with zeros in place."""
-    _check_target(x)
+    check_target(x)
     return ZeroInplace.apply(x)
+
+
+def exp_(x: Tensor) -> Tensor:
+    """``x = exp(x)`` in place."""
+    check_target(x)
+    return ExpInplace.apply(x)
+
+
+def fill_(x: Tensor, value: Any) -> Tensor:
+    """Fill ``x`` with ``value`` (a number or a 0-d tensor, which then gets the summed
+    gradient) in place.
+
+    Raises:
+        RuntimeError: for a tensor ``value`` with dimensions.
+    """
+    if isinstance(value, Tensor):
+        if value.ndim:
+            raise RuntimeError(
+                "fill_ only supports 0-dimension value tensor but got tensor with "
+                f"{value.ndim} dimensions; use copy_() to copy a tensor"
+            )
+        if value.device is not x.device:
+            value = value.to(x.device)
+    check_target(x, value)
+    return FillInplace.apply(x, value)
 
 
 def copy_(x: Tensor, src: Any) -> Tensor:
@@ -127,5 +188,5 @@ def copy_(x: Tensor, src: Any) -> Tensor:
     source = as_tensor_like(src, x)
     if source.device is not x.device:
         source = source.to(x.device)
-    _check_target(x, source)
+    check_target(x, source)
     return CopyInplace.apply(x, source)

@@ -1,11 +1,16 @@
-"""``matmul`` with NumPy semantics: 1-D operands, batching and broadcasting of batch dims."""
+"""``matmul`` with NumPy semantics (1-D operands, batching and broadcasting of batch dims) and
+the vector ``norm``."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from aioautograd.grad_mode import _grad_enabled
 from aioautograd.ops._util import Op, as_tensor_like, binary_operands, wrap
+from aioautograd.ops.arithmetic import where
+from aioautograd.ops.reduction import normalize_dims
+from aioautograd.ops.unary import abs, sign
 from aioautograd.tensor import Tensor
 
 
@@ -108,3 +113,73 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
             f"{list(b.shape)} ({inner_a} != {inner_b})"
         )
     return MatMul.apply(a, b)
+
+
+class Norm(Op):
+    """The vector ``p``-norm over ``dims``; ``p`` is finite and positive, 0 or ``inf``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, p: float, dims: tuple[int, ...], keepdim: bool) -> Tensor:
+        xp, data = x.xp, x.data
+        axis = dims if x.ndim else None
+        magnitude = xp.abs(data)
+        if p == 2:
+            out = xp.sqrt(xp.sum(data * data, axis=axis, keepdims=keepdim))
+        elif p == math.inf:
+            out = xp.max(magnitude, axis=axis, keepdims=keepdim)
+        elif p == 0:
+            out = xp.sum(data != 0, axis=axis, keepdims=keepdim).astype(data.dtype)
+        else:
+            out = xp.sum(magnitude**p, axis=axis, keepdims=keepdim) ** (1.0 / p)
+        result = wrap(out, x.device)
+        ctx.save_for_backward(x, result)
+        ctx.p, ctx.dims, ctx.keepdim = p, dims, keepdim
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
+        x, out = ctx.saved_tensors
+        p, dims, keepdim = ctx.p, ctx.dims, ctx.keepdim
+        if not keepdim and x.ndim:
+            kept = tuple(1 if i in dims else s for i, s in enumerate(x.shape))
+            grad, out = grad.reshape(kept), out.reshape(kept)
+        if p == 0:
+            return grad * 0.0 * x, None, None, None
+        if p == math.inf:
+            # Split evenly among tied maxima, as PyTorch's amax-based gradient.
+            ties = (abs(x) == out).to(x.dtype)
+            count = ties.sum(dims, keepdim=True) if x.ndim else ties
+            return grad * sign(x) * ties / count, None, None, None
+        # The gradient at a zero norm is 0 (a subgradient), as PyTorch: no 0/0.
+        zero = out == 0
+        safe_out = where(zero, 1.0, out)
+        scaled = x / safe_out if p == 2 else sign(x) * abs(x) ** (p - 1) / safe_out ** (p - 1)
+        return where(zero, 0.0, grad * scaled), None, None, None
+
+
+def norm(
+    x: Tensor,
+    p: float | str | None = "fro",
+    dim: int | tuple[int, ...] | None = None,
+    keepdim: bool = False,
+) -> Tensor:
+    """The vector ``p``-norm of ``x`` over ``dim`` (all elements by default).
+
+    ``p`` is ``"fro"`` (= 2), a positive number, ``0`` (the count of non-zeros) or
+    ``math.inf`` (the largest magnitude). The gradient at a zero norm is 0, as PyTorch.
+
+    Raises:
+        RuntimeError: for a non-floating ``x``, a negative ``p`` or a matrix norm (``"nuc"``).
+    """
+    if x.dtype.kind not in "fc":
+        raise RuntimeError(
+            f"norm(): input dtype should be floating point, got {x.dtype}; convert it with "
+            ".double() first"
+        )
+    if p is None or p == "fro":
+        p = 2.0
+    if isinstance(p, str) or p < 0:
+        raise RuntimeError(
+            f"norm(): p={p!r} is not supported; use a non-negative number, 'fro' or math.inf"
+        )
+    return Norm.apply(x, float(p), normalize_dims(dim, x.ndim), keepdim)

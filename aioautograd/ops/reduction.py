@@ -1,4 +1,5 @@
-"""Reductions: ``sum mean max min var logsumexp``, ``softmax log_softmax``, ``sum_to_size``."""
+"""Reductions: ``sum mean max min var std var_mean logsumexp all any``, ``softmax
+log_softmax``, ``sum_to_size``, and the scan ``cumsum``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from aioautograd._typing import Array, Shape
 from aioautograd.grad_mode import _grad_enabled
 from aioautograd.ops._util import MultiOutputOp, Op, wrap
 from aioautograd.ops.arithmetic import maximum, minimum, where
-from aioautograd.ops.unary import exp
+from aioautograd.ops.unary import exp, sqrt
 from aioautograd.tensor import Tensor
 
 Dims = int | Sequence[int] | None
@@ -293,6 +294,25 @@ class LogSoftmax(Op):
         return grad - exp(out) * grad.sum(dim, keepdim=True), None
 
 
+class Cumsum(Op):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, axis: int) -> Tensor:
+        ctx.axis = axis
+        data = x.data
+        if data.ndim == 0:
+            return wrap(data.copy(), x.device)
+        dtype = x.xp.int64 if data.dtype.kind in "biu" else None
+        return wrap(x.xp.cumsum(data, axis=axis, dtype=dtype), x.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        if grad.ndim == 0:
+            return grad, None
+        # The gradient of a prefix sum is the suffix sum of the gradient.
+        flip = (slice(None),) * ctx.axis + (slice(None, None, -1),)
+        return Cumsum.apply(grad[flip], ctx.axis)[flip], None
+
+
 def _count(shape: Shape, dims: tuple[int, ...]) -> int:
     """The number of elements reduced over ``dims`` of ``shape``."""
     count = 1
@@ -415,6 +435,57 @@ def var(
             stacklevel=2,
         )
     return Var.apply(x, dims, divisor, keepdim)
+
+
+def std(
+    x: Tensor,
+    dim: Dims = None,
+    unbiased: bool | None = None,
+    keepdim: bool = False,
+    *,
+    correction: float | None = None,
+) -> Tensor:
+    """Standard deviation over ``dim``: ``sqrt(var(...))``, with :func:`var`'s arguments."""
+    return sqrt(var(x, dim, unbiased, keepdim, correction=correction))
+
+
+def var_mean(
+    x: Tensor,
+    dim: Dims = None,
+    unbiased: bool | None = None,
+    keepdim: bool = False,
+    *,
+    correction: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(var(x, ...), mean(x, dim, keepdim))`` in one call, as ``torch.var_mean``."""
+    return var(x, dim, unbiased, keepdim, correction=correction), mean(x, dim, keepdim)
+
+
+def _logical_reduction(x: Tensor, dim: Dims, keepdim: bool, reduce: Any) -> Tensor:
+    dims = normalize_dims(dim, x.ndim)
+    axis = dims if x.ndim else None
+    return wrap(reduce(x.data.astype(bool, copy=False), axis=axis, keepdims=keepdim), x.device)
+
+
+def all(x: Tensor, dim: Dims = None, keepdim: bool = False) -> Tensor:
+    """Whether every element (along ``dim``) is non-zero: a boolean tensor, not
+    differentiable."""
+    return _logical_reduction(x, dim, keepdim, x.xp.all)
+
+
+def any(x: Tensor, dim: Dims = None, keepdim: bool = False) -> Tensor:
+    """Whether some element (along ``dim``) is non-zero: a boolean tensor, not
+    differentiable."""
+    return _logical_reduction(x, dim, keepdim, x.xp.any)
+
+
+def cumsum(x: Tensor, dim: int) -> Tensor:
+    """Cumulative sum along ``dim`` (integer inputs sum in int64, as PyTorch).
+
+    The gradient is the reversed cumulative sum of the output gradient.
+    """
+    (axis,) = normalize_dims(dim, x.ndim)
+    return Cumsum.apply(x, axis)
 
 
 def logsumexp(x: Tensor, dim: Dims, keepdim: bool = False) -> Tensor:

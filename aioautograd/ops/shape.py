@@ -173,8 +173,39 @@ def reshape(x: Tensor, shape: Shape) -> Tensor:
 
 
 def view(x: Tensor, shape: Shape) -> Tensor:
-    """Like :func:`reshape` (NumPy decides whether a copy is needed)."""
-    return reshape(x, shape)
+    """Like :func:`reshape` (NumPy decides whether a copy is needed), but always a new
+    tensor: ``x.view(x.shape)`` is a view of ``x``, not ``x`` itself, as in PyTorch."""
+    return Reshape.apply(x, _infer_shape(shape, x.numel()))
+
+
+def view_as(x: Tensor, other: Tensor) -> Tensor:
+    """``x.view(other.shape)``."""
+    return view(x, other.shape)
+
+
+def narrow(x: Tensor, dim: int, start: int, length: int) -> Tensor:
+    """The view ``x[..., start:start + length, ...]`` along ``dim`` (``start`` may be
+    negative, counted from the end).
+
+    Raises:
+        IndexError: for a ``dim`` or ``start`` out of range.
+        RuntimeError: for a negative ``length`` or a slice past the end.
+    """
+    if x.ndim == 0:
+        raise RuntimeError("narrow() cannot be applied to a 0-dim tensor.")
+    d = _dim(dim, x.ndim)
+    size = x.shape[d]
+    if not -size <= start <= size:
+        raise IndexError(
+            f"start out of range (expected to be in range of [{-size}, {size}], but got {start})"
+        )
+    if start < 0:
+        start += size
+    if length < 0:
+        raise RuntimeError("narrow(): length must be non-negative.")
+    if start + length > size:
+        raise RuntimeError(f"start ({start}) + length ({length}) exceeds dimension size ({size}).")
+    return x[(slice(None),) * d + (slice(start, start + length),)]
 
 
 def expand(x: Tensor, shape: Shape) -> Tensor:
