@@ -255,6 +255,10 @@ class Function:
         name = cls.__name__ + cls._node_suffix
         cls._backward_cls = type(name, (base,), attrs)
         cls._tensor_args_backward_cls = None  # made on first use
+        if cls.setup_context is Function.setup_context:
+            cls._forward_with_ctx = cls.forward
+        else:
+            cls._forward_with_ctx = staticmethod(functools.partial(_forward_then_setup, cls))
 
     @classmethod
     def _tensor_args_node_cls(cls) -> type[BackwardCFunction]:
@@ -270,10 +274,6 @@ class Function:
                 {},
             )
         return node_cls
-        if cls.setup_context is Function.setup_context:
-            cls._forward_with_ctx = cls.forward
-        else:
-            cls._forward_with_ctx = staticmethod(functools.partial(_forward_then_setup, cls))
 
     @staticmethod
     def forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:
@@ -500,7 +500,7 @@ def _adopt_input(
 
 def _rebase_view(view: Tensor, node: BackwardCFunction, args: tuple[Any, ...]) -> None:
     # Imported here: copy_slices uses built-in ops, which import this module.
-    from aioautograd.autograd.copy_slices import rebase_view
+    from aioautograd.ops.copy_slices import rebase_view
 
     input_nr = next(i for i, arg in enumerate(args) if arg is view)
     rebase_view(view, node, input_nr)

@@ -102,6 +102,18 @@ def _inplace(method: str, *args: Any) -> Callable[..., Any]:
     return build
 
 
+def _setitem_advanced(x: ag.Tensor, v: ag.Tensor) -> ag.Tensor:
+    y = x.clone()  # a leaf may not be modified in place
+    y[_idx(0, 2)] = v
+    return y
+
+
+def _put(v: Array) -> Array:
+    out = np.zeros(4)
+    out[[0, 2]] = v
+    return out
+
+
 _CONV_X, _CONV_W = _r(1, 2, 4, 4), _r(3, 2, 2, 2, seed=1)
 # A 2x2 kernel over a 3x3 input padded by 1: each input pixel lies in four windows.
 _GEOMETRY = conv.ConvGeometry(
@@ -340,11 +352,32 @@ CASES: dict[str, Case] = {
         boundary=(np.zeros((2, 3)),),
         expected=(np.ones((2, 3)) * _a([1.0], [2.0]),),
     ),
+    "cumsum": Case(lambda a: a.cumsum(1), (_r(2, 3),), lambda a: np.cumsum(a, axis=1)),
+    "norm": Case(
+        lambda a: a.norm(),
+        (_r(2, 3),),
+        lambda a: np.sqrt((a * a).sum()),
+        boundary=(np.zeros((2, 3)),),
+        expected=(np.zeros((2, 3)),),
+    ),
+    "norm_p3_dim": Case(
+        lambda a: a.norm(3, dim=1),
+        (_r(2, 3),),
+        lambda a: (np.abs(a) ** 3).sum(axis=1) ** (1 / 3),
+    ),
+    "norm_inf": Case(lambda a: a.norm(np.inf, dim=1), (_r(2, 3),), lambda a: np.abs(a).max(axis=1)),
     # ----------------------------------------------------------------------- in place
     "add_": Case(_inplace("add_", 2.0), (_r(3), _r(3, seed=1)), lambda a, b: a + 2 * b),
     "mul_": Case(_inplace("mul_"), (_r(3), _r(3, seed=1)), np.multiply),
     "zero_": Case(lambda a: _inplace("zero_")(a) + a, (_r(3),), lambda a: a),
     "copy_": Case(_inplace("copy_"), (_r(3), _r(3, seed=1)), lambda a, b: b),
+    "exp_": Case(_inplace("exp_"), (_r(3),), np.exp),
+    "fill_": Case(lambda a: _inplace("fill_", 2.0)(a) + a, (_r(3),), lambda a: 2.0 + a),
+    "setitem_advanced": Case(
+        _setitem_advanced,
+        (_r(4), _r(2, seed=1)),
+        lambda x, v: np.where([1, 0, 1, 0], 0, x) + _put(v),
+    ),
     # ------------------------------------------------------------------- nn.functional
     "linear": Case(
         lambda x, w, b: F.linear(x, w, b),
