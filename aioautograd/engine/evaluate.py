@@ -52,12 +52,12 @@ def process_task(task: NodeTask, device: Device) -> list[NodeTask] | None:
     if graph_task.has_error:
         graph_task.task_finished()
         return None
-    if current_graph_task.get() is not graph_task:
-        # Worker threads keep their own context; it changes only when they switch tasks.
-        enter_graph_task(graph_task)
     node = task.node
     inputs = task.inputs
     try:
+        if current_graph_task.get() is not graph_task:
+            # Worker threads keep their own context; it changes only when they switch tasks.
+            enter_graph_task(graph_task)
         if graph_task.pending_analysis is not None:  # first task: only one exists, no race
             graph_task.analyse()
         if task.outputs is not None:  # an async node finished on the loop

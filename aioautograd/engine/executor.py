@@ -103,11 +103,22 @@ class Executor:
         numpy.seterr(all="ignore")
 
     def _thread_main(self) -> None:
-        self._become_worker()
-        # No local reference survives an iteration: an idle worker must not keep the last
-        # graph (and its buffers) alive until its next task.
-        while self._serve(self._next_task()):
-            pass
+        stopped = False
+        try:
+            self._become_worker()
+            # No local reference survives an iteration: an idle worker must not keep the last
+            # graph (and its buffers) alive until its next task.
+            while self._serve(self._next_task()):
+                pass
+            stopped = True
+        finally:
+            if not stopped:  # something escaped (a bug): never leave the pool a thread short
+                self._replace(threading.current_thread())
+
+    def _replace(self, dead: threading.Thread) -> None:
+        with self._start_lock, contextlib.suppress(ValueError):
+            self._threads.remove(dead)
+        self._start()
 
     def _serve(self, item: NodeTask | OffloadedCall | None) -> bool:
         if type(item) is OffloadedCall:
@@ -141,7 +152,11 @@ class Executor:
         counted = self._begin_work()
         try:
             while task is not None:
-                task = evaluate_task(engine, task, self)
+                try:
+                    task = evaluate_task(engine, task, self)
+                except BaseException as exc:  # a bug outside the node's own error handling
+                    task.graph_task.abort(exc)  # type: ignore[union-attr]
+                    task = None
                 if time.perf_counter() > state.pause_at:
                     pause_if_due()
                 if budget is not None and budget.active > budget.cores:  # overdrawn
@@ -149,7 +164,13 @@ class Executor:
                 if task is None and drain:
                     task = queue.pop_nowait()
         finally:
-            self._end_work(counted)
+            try:
+                if drain:
+                    # Going idle: the thread's context must not keep the last graph task (its
+                    # buffers, captured gradients, error) alive until its next task.
+                    forget_graph_task()
+            finally:
+                self._end_work(counted)
 
     def _run_call(self, call: OffloadedCall) -> None:
         counted = self._begin_work()
@@ -229,6 +250,21 @@ def _load_evaluate_task() -> Callable[[Engine, NodeTask, Executor], NodeTask | N
 
     _evaluate_task = evaluate_task
     return evaluate_task
+
+
+def forget_graph_task() -> None:
+    """Clear the calling worker's ``current_graph_task`` (bound on first use: import cycle)."""
+    global _current_graph_task
+    var = _current_graph_task
+    if var is None:
+        from aioautograd.engine.graph_task import current_graph_task
+
+        var = _current_graph_task = current_graph_task
+    if var.get() is not None:
+        var.set(None)
+
+
+_current_graph_task: contextvars.ContextVar[Any] | None = None
 
 
 class OffloadedCall:

@@ -30,12 +30,12 @@ from aioautograd.engine.loop_turns import loop_turns
 from aioautograd.engine.ready_queue import DEPTH_SHIFT, NodeTask, ReadyQueue
 from aioautograd.grad_mode import _grad_enabled
 from aioautograd.profiler.recorder import active_profiler, current_label, profile
+from aioautograd.tensor import Tensor
 
 if TYPE_CHECKING:
     from aioautograd.devices.device import Device
     from aioautograd.devices.streams import Event, Stream
     from aioautograd.engine.engine import Engine
-    from aioautograd.tensor import Tensor
 
 _ids = itertools.count(1)
 
@@ -112,6 +112,13 @@ class GraphTask:
         self._done_event: threading.Event | None = None
         self._async_context: contextvars.Context | None = None
         self._async_tasks: set[asyncio.Task[None]] = set()
+        # Nested passes started by this one's nodes (checkpoint): cancelled with it.
+        self._children: set[GraphTask] | None = None
+        if parent is not None:
+            with parent.lock:
+                if parent._children is None:
+                    parent._children = set()
+                parent._children.add(self)
         # Streams: the caller's current ones, and those of the leaves that were accumulated
         # into; joined at completion so the caller may read ``.grad`` on its own streams.
         self.caller_streams = stash_current_streams()
@@ -227,8 +234,12 @@ class GraphTask:
             self.all_tasks_done()
 
     def all_tasks_done(self) -> None:
-        """Called exactly once, by whoever brought ``outstanding_tasks`` to zero."""
+        """Called once, by whoever brought ``outstanding_tasks`` to zero (or by ``abort``)."""
         self.completed = True
+        parent = self.parent
+        if parent is not None and parent._children is not None:
+            with parent.lock:
+                parent._children.discard(self)
         if self._done_event is not None:
             self._done_event.set()
         if self.owner_queue is not None:
@@ -262,10 +273,30 @@ class GraphTask:
             self.has_error = True
             self.error = exc
         if node is not None and not isinstance(exc, asyncio.CancelledError):
-            _annotate(exc, self, node, device, inputs)
+            # A note that cannot be added (``__notes__`` set to None...) must not lose the error.
+            with contextlib.suppress(Exception):
+                _annotate(exc, self, node, device, inputs)
         if self.loop is not None and self._async_tasks:
             with contextlib.suppress(RuntimeError):
                 self.loop.call_soon_threadsafe(self._cancel_async_nodes)
+
+    def abort(self, exc: BaseException) -> None:
+        """Fail the graph task with ``exc`` and complete it now, whatever its count of
+        outstanding tasks (an error escaped the engine's own bookkeeping: the count cannot
+        be trusted, and the caller must get the error rather than wait forever)."""
+        self.set_error(exc, None, None, None)
+        if not self.completed:
+            self.all_tasks_done()
+
+    def cancel(self) -> None:
+        """Stop the pass: no node of it (or of a nested pass it started) starts any more,
+        and its ``async`` nodes are cancelled. A node already running finishes in the
+        background; nobody waits for it."""
+        self.set_error(asyncio.CancelledError(), None, None, None)  # cancels async nodes
+        with self.lock:
+            children = tuple(self._children) if self._children else ()
+        for child in children:
+            child.cancel()
 
     def _cancel_async_nodes(self) -> None:
         for task in tuple(self._async_tasks):
@@ -293,10 +324,10 @@ class GraphTask:
         try:
             outputs = await node.apply(inputs)  # type: ignore[misc]
         except BaseException as exc:  # includes CancelledError: the task is over either way
+            # KeyboardInterrupt and the like too: raised here they would stop the event loop
+            # (every other pass on it with it); they are the awaiting caller's to handle.
             self.set_error(exc, node, None, inputs)
             self.task_finished()
-            if not isinstance(exc, Exception | asyncio.CancelledError):
-                raise
             return
         # Validation, hooks and bookkeeping happen on an executor, never on the loop.
         self.engine.push_continuation(NodeTask(self, node, [], outputs))
@@ -324,16 +355,9 @@ class GraphTask:
                 await self._done_future  # type: ignore[misc]
                 await loop_turns(loop).take_turn()
         except asyncio.CancelledError:
-            self.set_error(asyncio.CancelledError(), None, None, None)
-            self._cancel_async_nodes()
-            while not self.completed:
-                self._done_future = loop.create_future()
-                if self.completed:
-                    break
-                try:
-                    await self._done_future
-                except asyncio.CancelledError:
-                    continue
+            # Prompt: the tasks left are dropped by the workers as they pop them.
+            self.cancel()
+            self._async_context = None
             self.future_result.cancel()
             raise
         try:
@@ -349,6 +373,8 @@ class GraphTask:
             self.future_result.set_exception(exc)
             self.future_result.exception()  # mark retrieved: the caller gets it raised
             raise
+        finally:
+            self._release()
         self.future_result.set_result(self.captured_vars)
         return self.captured_vars
 
@@ -364,19 +390,31 @@ class GraphTask:
         if executor is not None:
             executor.drive(self)  # reentrant: serve our own queue while we wait
         self._done_event.wait()
-        if self.error is not None:
-            raise self.error
-        self._check_not_ready()
-        _synchronize(self._join_leaf_streams())
-        token = current_graph_task.set(self)
         try:
-            while self.final_callbacks:
-                result = self.final_callbacks.pop(0)()
-                if asyncio.iscoroutine(result):
-                    self._await_from_thread(result)
+            if self.error is not None:
+                raise self.error
+            self._check_not_ready()
+            _synchronize(self._join_leaf_streams())
+            token = current_graph_task.set(self)
+            try:
+                while self.final_callbacks:
+                    result = self.final_callbacks.pop(0)()
+                    if asyncio.iscoroutine(result):
+                        self._await_from_thread(result)
+            finally:
+                current_graph_task.reset(token)
         finally:
-            current_graph_task.reset(token)
+            self._release()
         return self.captured_vars
+
+    def _release(self) -> None:
+        """Drop what the finished pass holds (buffers of nodes that never became ready,
+        the walks' tables, its context) so that nothing outlives it, even while a
+        reference to the graph task itself remains (a traceback, say)."""
+        self.not_ready = {}
+        self.dependencies = {}
+        self.exec_info = None
+        self._async_context = None
 
     def _await_from_thread(self, coroutine: Any) -> None:
         loop = self.loop
@@ -436,7 +474,7 @@ def _annotate(
     device: Device | None,
     inputs: Sequence[Tensor | None] | None,
 ) -> None:
-    described = ", ".join("None" if grad is None else describe(grad) for grad in (inputs or ()))
+    described = ", ".join(_describe_value(grad) for grad in (inputs or ()))
     where = f" on device {device}" if device is not None else ""
     exc.add_note(
         f"Raised by {node.name()} in graph task {graph_task.id}{where}; "
@@ -457,6 +495,15 @@ def _annotate(
             )
         current = metadata.get("parent_")
         induced = True
+
+
+def _describe_value(value: object) -> str:
+    """``describe`` for what a buffer slot holds; a hook may have put anything there."""
+    if value is None:
+        return "None"
+    if isinstance(value, Tensor):
+        return describe(value)
+    return f"<{type(value).__name__}, not a Tensor>"
 
 
 # After a backward on an accelerator the loop polls its completion events this long before
