@@ -26,6 +26,7 @@ from aioautograd.autograd.node import AccumulateGrad, Edge, Node
 from aioautograd.autograd.saved import describe
 from aioautograd.devices.device import stash_current_streams
 from aioautograd.engine.executor import pause_if_due
+from aioautograd.engine.input_buffer import SlotOrder
 from aioautograd.engine.loop_turns import loop_turns
 from aioautograd.engine.ready_queue import DEPTH_SHIFT, NodeTask, ReadyQueue
 from aioautograd.grad_mode import _grad_enabled
@@ -96,6 +97,10 @@ class GraphTask:
         self.lock = threading.Lock()
         self.outstanding_tasks = 0
         self.dependencies: dict[Node, int] = {}
+        # Nodes that several edges feed -> the nodes those edges come from (one entry per
+        # edge), and the summation orders built from them at a node's first gradient.
+        self.fan_in: dict[Node, list[Node]] = {}
+        self.slot_orders: dict[Node, list[SlotOrder | None]] = {}
         self.not_ready: dict[Node, list[Tensor | None]] = {}
         self.exec_info: dict[Node, ExecInfo] | None = None
         self.pending_analysis: tuple[Node, Sequence[Edge] | None, bool, int] | None = None
@@ -144,6 +149,7 @@ class GraphTask:
         root, outputs, accumulate_grad, min_topo_nr = pending
         if not self.compute_dependencies(root, min_topo_nr, max_nodes):
             self.dependencies = {}
+            self.fan_in = {}
             return False
         self.pending_analysis = None
         if outputs is not None:
@@ -159,12 +165,14 @@ class GraphTask:
     def compute_dependencies(
         self, root: Node, min_topo_nr: int, max_nodes: int | None = None
     ) -> bool:
-        """Count, for each node reachable from ``root``, the edges that lead into it.
+        """Count, for each node reachable from ``root``, the edges that lead into it, and
+        note where the edges into nodes fed by several come from (``fan_in``).
 
         Returns False, with the counts incomplete, once more than ``max_nodes`` are seen.
         """
         dependencies = self.dependencies
-        seen = {root}
+        fan_in = self.fan_in
+        first: dict[Node, Node] = {}  # each node seen -> the node of its first edge
         stack = [root]
         limit = max_nodes if max_nodes is not None else sys.maxsize
         while stack:
@@ -172,13 +180,20 @@ class GraphTask:
             for next_node, _ in node._next_edges:
                 if next_node is None or next_node.topological_nr < min_topo_nr:
                     continue
-                dependencies[next_node] = dependencies.get(next_node, 0) + 1
-                if next_node not in seen:
-                    seen.add(next_node)
+                count = dependencies.get(next_node, 0)
+                dependencies[next_node] = count + 1
+                if count:
+                    producers = fan_in.get(next_node)
+                    if producers is None:
+                        fan_in[next_node] = [first[next_node], node]
+                    else:
+                        producers.append(node)
+                else:
+                    first[next_node] = node
                     stack.append(next_node)
-                    if len(seen) > limit:
+                    if len(first) >= limit:
                         return False
-                    if not len(seen) & 1023:
+                    if not len(first) & 1023:
                         pause_if_due()
         return True
 
@@ -413,6 +428,8 @@ class GraphTask:
         reference to the graph task itself remains (a traceback, say)."""
         self.not_ready = {}
         self.dependencies = {}
+        self.fan_in = {}
+        self.slot_orders = {}
         self.exec_info = None
         self._async_context = None
 

@@ -11,6 +11,7 @@ import textwrap
 import threading
 import time
 import tracemalloc
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -184,8 +185,9 @@ def test_keyboard_interrupt_in_a_node_reaches_its_caller_only() -> None:
         timeout=60,
         check=False,
     )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["KeyboardInterrupt", "KeyboardInterrupt", "18"]
+    output = f"stdout: {result.stdout}\nstderr: {result.stderr}"
+    assert result.returncode == 0, output
+    assert result.stdout.split() == ["KeyboardInterrupt", "KeyboardInterrupt", "18"], output
 
 
 # ----------------------------------------------------------------------- cancellation
@@ -311,3 +313,57 @@ async def test_a_finished_pass_frees_what_it_held() -> None:
         tracemalloc.stop()
     assert after_grad < 2_000_000, f"{after_grad / 1e6:.1f} MB still held after grad()"
     assert after_failure < 2_000_000, f"{after_failure / 1e6:.1f} MB held after a failure"
+
+
+# ------------------------------------------------------------------ reproducibility
+class Gate(ag.Function):
+    """Multiplies the gradient by ``scale`` once its event is set (an ``async`` backward)."""
+
+    events: ClassVar[dict[int, asyncio.Event]] = {}
+
+    @staticmethod
+    def forward(ctx, x, key, scale):
+        ctx.key = key
+        ctx.scale = scale
+        return x * 1
+
+    @staticmethod
+    async def backward(ctx, grad):
+        await Gate.events[ctx.key].wait()
+        return grad * ctx.scale, None, None
+
+
+@pytest.mark.parametrize("release", [(0, 1, 2), (2, 1, 0), (1, 2, 0), (1, 0, 2)])
+async def test_gradients_into_one_input_sum_in_a_fixed_order(release: tuple[int, ...]) -> None:
+    # float32: (1 + 1e8) - 1e8 == 0 but (1e8 - 1e8) + 1 == 1; the arrival order is forced.
+    scales = (1.0, 1e8, -1e8)
+    Gate.events = {k: asyncio.Event() for k in range(3)}
+    x = ag.ones(4, requires_grad=True)
+    total = sum(Gate.apply(x, k, scale) for k, scale in enumerate(scales))
+    task = asyncio.create_task(total.sum().backward())
+    for k in release:
+        await asyncio.sleep(0.03)
+        Gate.events[k].set()
+    await asyncio.wait_for(task, 10)
+    assert x.grad is not None
+    # Summed latest edge first, whatever the arrival: (-1e8 + 1e8) + 1.
+    np.testing.assert_array_equal(x.grad.data, np.ones(4, dtype=np.float32))
+
+
+async def test_1000_concurrent_passes_give_bitwise_the_sequential_gradients() -> None:
+    rng = np.random.default_rng(0)
+    datas = [rng.standard_normal(64).astype(np.float32) for _ in range(1000)]
+
+    async def run(data: np.ndarray) -> np.ndarray:
+        x = ag.tensor(data, requires_grad=True)
+        w = x * 1.0001  # one node, six consumers: its input sums six gradients
+        s = w.sin()
+        for k in range(1, 6):
+            s = s + (w * (1.0 + k / 7)).sin() * (k + 0.3)
+        (g,) = await ag.grad((s * s).sum(), [x])
+        return np.asarray(g.data).copy()
+
+    sequential = [await run(d) for d in datas]
+    concurrent = await asyncio.wait_for(asyncio.gather(*(run(d) for d in datas)), 120)
+    for a, b in zip(sequential, concurrent, strict=True):
+        assert a.tobytes() == b.tobytes()
