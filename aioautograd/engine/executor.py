@@ -27,6 +27,7 @@ import numpy
 
 from aioautograd.devices.cpu_budget import CpuBudget, cpu_budget
 from aioautograd.engine.ready_queue import ReadyQueue
+from aioautograd.engine.watchdog import watch
 
 if TYPE_CHECKING:
     from aioautograd.devices.device import Device
@@ -45,6 +46,7 @@ class _WorkerState(threading.local):
 
     executor: Executor | None = None
     depth: int = 0
+    extra: bool = False  # an extra worker started by the watchdog (not budgeted)
     pause_at: float = 0.0  # when it next lets other threads take the GIL
 
 
@@ -65,6 +67,10 @@ class Executor:
         self._start_lock = threading.Lock()
         self._busy_lock = threading.Lock()
         self.busy = 0  # threads currently running a task (for observability and tests)
+        self.closed = False
+        self.extra_workers = 0  # started by the watchdog while nodes hold every worker
+        self._extra_threads: list[threading.Thread] = []
+        self._watched = False
         # The process's CPU budget (one object, updated in place by set_default_engine).
         self._budget = cpu_budget() if device.type == "cpu" else None
 
@@ -79,6 +85,7 @@ class Executor:
 
     def close(self) -> None:
         """Let the worker threads exit once the queue is empty (``Engine.close``)."""
+        self.closed = True
         for _ in self._threads:
             self.queue.push_call(_STOP)
 
@@ -92,6 +99,43 @@ class Executor:
                 )
                 self._threads.append(thread)
                 thread.start()
+            if not self._watched and self.device.type == "cpu":
+                self._watched = True
+                watch(self)
+
+    @property
+    def workers(self) -> int:
+        """Worker threads, extra ones included."""
+        return len(self._threads) + self.extra_workers
+
+    def threads(self) -> list[threading.Thread]:
+        """The worker threads, extra ones included."""
+        with self._start_lock:
+            return [*self._threads, *self._extra_threads]
+
+    def start_extra_worker(self) -> None:
+        """Start a worker that serves the queue until it is empty, outside the CPU budget
+        (the watchdog's answer to nodes that hold every worker: ``watchdog.py``)."""
+        thread = threading.Thread(
+            target=self._extra_main, name=f"aioautograd-{self.device}-extra", daemon=True
+        )
+        with self._start_lock:
+            self.extra_workers += 1
+            self._extra_threads.append(thread)
+        thread.start()
+
+    def _extra_main(self) -> None:
+        try:
+            self._become_worker()
+            worker_state.extra = True
+            task = self.queue.pop_nowait()
+            while task is not None:
+                self.run(task, drain=True)
+                task = self.queue.pop_nowait()
+        finally:
+            with self._start_lock:
+                self.extra_workers -= 1
+                self._extra_threads.remove(threading.current_thread())
 
     def _become_worker(self) -> None:
         worker_state.executor = self
@@ -147,8 +191,8 @@ class Executor:
         evaluate_task = _evaluate_task or _load_evaluate_task()
         engine = self.engine
         queue = self.queue
-        budget = self._budget
         state = worker_state
+        budget = self._budget if not state.extra else None
         counted = self._begin_work()
         try:
             while task is not None:
@@ -184,7 +228,8 @@ class Executor:
         return whether the budget counted it (False on a reentrant run)."""
         with self._busy_lock:
             self.busy += 1
-        return self._budget is not None and self._budget.enter()
+        budget = self._budget
+        return budget is not None and not worker_state.extra and budget.enter()
 
     def _end_work(self, counted: bool) -> None:
         if counted:

@@ -367,3 +367,48 @@ async def test_1000_concurrent_passes_give_bitwise_the_sequential_gradients() ->
     concurrent = await asyncio.wait_for(asyncio.gather(*(run(d) for d in datas)), 120)
     for a, b in zip(sequential, concurrent, strict=True):
         assert a.tobytes() == b.tobytes()
+
+
+# --------------------------------------------------------------------- blocked nodes
+class WaitsForRelease(ag.Function):
+    """A backward that blocks its worker thread until ``release`` is set."""
+
+    release = threading.Event()
+    waiting = threading.Semaphore(0)
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        WaitsForRelease.waiting.release()
+        assert WaitsForRelease.release.wait(30)
+        return grad
+
+
+async def test_nodes_holding_every_worker_get_a_warning_and_an_extra_worker() -> None:
+    engine = Engine(ag.EnginePolicy(cpu_threads=2, blocked_node_s=0.2, inline_budget_s=0))
+    WaitsForRelease.release.clear()
+    WaitsForRelease.waiting = threading.Semaphore(0)
+
+    def execute(y: ag.Tensor) -> asyncio.Future[list[ag.Tensor | None]]:
+        return asyncio.ensure_future(
+            engine.execute([(y.sum().grad_fn, 0)], [ag.tensor(1.0)], False, False, True)
+        )
+
+    try:
+        blocked = [
+            execute(WaitsForRelease.apply(ag.randn(3, requires_grad=True))) for _ in range(2)
+        ]
+        for _ in range(2):
+            assert await asyncio.to_thread(WaitsForRelease.waiting.acquire, True, 10)
+        x = ag.randn(3, dtype="float64", requires_grad=True)
+        with pytest.warns(ag.BlockedWorkerWarning, match="WaitsForReleaseBackward"):
+            await asyncio.wait_for(execute(x * 3), 10)  # served by an extra worker
+        assert_close(x.grad, np.full(3, 3.0))
+        assert not any(task.done() for task in blocked)
+    finally:
+        WaitsForRelease.release.set()
+    await asyncio.wait_for(asyncio.gather(*blocked), 10)
+    engine.close()
