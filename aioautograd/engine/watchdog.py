@@ -15,6 +15,7 @@ nothing is added to the nodes' path.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -60,8 +61,11 @@ def _main(executor_ref: weakref.ref[Executor]) -> None:
         elif mark != last_mark:
             last_mark, since = mark, now
         elif now - since >= limit and executor.extra_workers < MAX_EXTRA_WORKERS:
-            _report(executor, now - since, warned)
             executor.start_extra_worker()
+            # (After the worker: a warnings filter that turns it into an error must not
+            # stop the watchdog, nor the help.)
+            with contextlib.suppress(Exception):
+                _report(executor, now - since, warned)
             since = now
         del executor
         time.sleep(interval)
