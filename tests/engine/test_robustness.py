@@ -99,6 +99,8 @@ async def test_a_worker_killed_by_an_engine_bug_is_replaced() -> None:
     x = ag.randn(3, dtype="float64", requires_grad=True)
     roots = [((x * 2).sum().grad_fn, 0)]
     executor_module.forget_graph_task = fails_once
+    engine.executor(cpu).ensure_started()
+    first_threads = list(engine.executor(cpu)._threads)
     try:
         await asyncio.wait_for(engine.execute(roots, [ag.tensor(1.0)], False, False, True), 10)
         executor = engine.executor(cpu)
@@ -106,6 +108,10 @@ async def test_a_worker_killed_by_an_engine_bug_is_replaced() -> None:
         while calls == 0 or not all(t.is_alive() for t in executor._threads):
             assert time.monotonic() < deadline, "the dead worker was not replaced"
             await asyncio.sleep(0.01)
+        dead = [t for t in first_threads if t not in executor._threads]
+        assert len(dead) == 1
+        dead[0].join(10)  # its exception reported (within this test)
+        assert not dead[0].is_alive()
         assert len(executor._threads) == 2
         # Both threads serve: two passes blocked at once still complete.
         barrier = threading.Barrier(2, timeout=10)
