@@ -86,6 +86,9 @@ class SlotOrder:
         every gradient before it in the order is in."""
         expected = self.expected
         k = self.next
+        if k == len(expected):  # an edge the graph walk did not see: nothing to order by
+            accumulate(buffer, position, grad, producer, consumer)
+            return
         head = expected[k]
         if head[0] is not source or head[1] != output_nr:
             if self.held is None:
@@ -108,27 +111,37 @@ def slot_orders(node: Node, producers: list[Node]) -> list[SlotOrder | None] | N
     """The :class:`SlotOrder` of each input of ``node`` that three or more edges feed
     (``None`` for the others), or ``None`` when no input needs one.
 
-    ``producers`` are the nodes with edges into ``node`` (repeated for several edges).
+    ``producers`` are the nodes with edges into ``node``, one entry per edge (the graph walk
+    lists a producer's edges one after another).
     """
-    edges: list[list[tuple[int, int, Node]]] = [[] for _ in range(_inputs(node))]
-    for producer in dict.fromkeys(producers):  # each once, in a stable order
-        for output_nr, (target, input_nr) in enumerate(producer._next_edges):
+    if len(producers) < 3:
+        return None
+    inputs = 1 if type(node) is AccumulateGrad else len(node._input_metadata)
+    edges: list[list[tuple[int, int, Node]]] = [[] for _ in range(inputs)]
+    previous = None
+    for producer in producers:
+        if producer is previous:
+            continue
+        previous = producer
+        key = -producer.sequence_nr
+        output_nr = -1
+        for target, input_nr in producer._next_edges:
+            output_nr += 1
             if target is node:
-                edges[input_nr].append((-producer.sequence_nr, output_nr, producer))
+                edges[input_nr].append((key, output_nr, producer))
     orders: list[SlotOrder | None] = []
     needed = False
     for slot in edges:
         if len(slot) < 3:
             orders.append(None)
             continue
-        slot.sort(key=lambda edge: (edge[0], edge[1]))
+        try:
+            slot.sort()
+        except TypeError:  # two producers with one sequence number: keep the walk's order
+            slot.sort(key=lambda edge: (edge[0], edge[1]))
         orders.append(SlotOrder([(producer, output_nr) for _, output_nr, producer in slot]))
         needed = True
     return orders if needed else None
-
-
-def _inputs(node: Node) -> int:
-    return 1 if type(node) is AccumulateGrad else len(node._input_metadata)
 
 
 def _sum(old: Tensor, grad: Tensor) -> Tensor:
