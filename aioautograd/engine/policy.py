@@ -64,8 +64,9 @@ class EnginePolicy:
         blocked_node_s: when every CPU worker has been busy this long while backward tasks
             wait without one being taken, the engine warns (``BlockedWorkerWarning``,
             naming the nodes that hold the workers: usually a backward that waits on a
-            lock, an event or I/O) and starts an extra worker, outside the CPU budget,
-            that serves the queue until it is empty (``engine/watchdog.py``). 0 disables.
+            lock, an event or I/O) and, unless those workers used the CPU meanwhile,
+            starts an extra worker, outside the CPU budget, that serves the queue until
+            it is empty (``engine/watchdog.py``). 0 disables.
     """
 
     cpu_threads: int | None = None

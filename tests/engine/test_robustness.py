@@ -422,3 +422,47 @@ async def test_nodes_holding_every_worker_get_a_warning_and_an_extra_worker() ->
         WaitsForRelease.release.set()
     await asyncio.wait_for(asyncio.gather(*blocked), 10)
     engine.close()
+
+
+class Computes(ag.Function):
+    """A backward that keeps its worker computing for ``seconds``."""
+
+    seconds = 1.0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        a = np.full((200, 200), 0.5)
+        end = time.perf_counter() + Computes.seconds
+        while time.perf_counter() < end:
+            a = np.tanh(a @ a)
+        return grad
+
+
+async def test_nodes_that_compute_get_a_warning_but_no_extra_worker() -> None:
+    engine = Engine(ag.EnginePolicy(cpu_threads=2, blocked_node_s=0.3, inline_budget_s=0))
+    executor = engine.executor(ag.device("cpu"))
+
+    def execute(y: ag.Tensor) -> asyncio.Future[list[ag.Tensor | None]]:
+        return asyncio.ensure_future(
+            engine.execute([(y.sum().grad_fn, 0)], [ag.tensor(1.0)], False, False, True)
+        )
+
+    async def run_and_watch() -> int:
+        passes = [execute(Computes.apply(ag.randn(3, requires_grad=True))) for _ in range(3)]
+        extra = 0
+        while not all(p.done() for p in passes):
+            extra = max(extra, executor.extra_workers)
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(asyncio.gather(*passes), 10)
+        return extra
+
+    try:
+        with pytest.warns(ag.BlockedWorkerWarning, match="They are computing"):
+            extra = await asyncio.wait_for(run_and_watch(), 20)
+        assert extra == 0  # the cores were busy: another thread would oversubscribe them
+    finally:
+        engine.close()
