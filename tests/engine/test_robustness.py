@@ -325,6 +325,38 @@ async def test_a_finished_pass_frees_what_it_held() -> None:
     assert after_failure < 2_000_000, f"{after_failure / 1e6:.1f} MB held after a failure"
 
 
+async def test_a_burst_of_concurrent_passes_leaves_no_objects_behind() -> None:
+    # RSS does not come back after a burst (allocator arenas: README, "Memory"), but the
+    # objects of the passes must all be gone.
+    engine = Engine(inline_budget_s=0)
+
+    async def one(i: int) -> None:
+        x = ag.randn(8, 16, requires_grad=True)
+        w = ag.randn(16, 4, requires_grad=True)
+        h = (x @ w).tanh()
+        loss = (h * h.sigmoid() * float(i)).sum()
+        await engine.execute([(loss.grad_fn, 0)], [ag.tensor(1.0)], False, False, True)
+
+    try:
+        await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(50))), 30)  # warm
+        gc.collect()
+        tracemalloc.start()
+        try:
+            baseline = tracemalloc.get_traced_memory()[0]
+            await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(1000))), 60)
+            await _wait_idle(engine)
+            gc.collect()
+            grown = tracemalloc.get_traced_memory()[0] - baseline
+            peak = tracemalloc.get_traced_memory()[1] - baseline
+        finally:
+            tracemalloc.stop()
+    finally:
+        engine.close()
+    assert peak > 2_000_000  # the burst did hold its passes at once
+    # ~75 kB here (asyncio's own tables): a leak of 250 bytes per pass would show.
+    assert grown < 300_000, f"{grown / 1e6:.2f} MB of objects outlived 1,000 passes"
+
+
 # ------------------------------------------------------------------ reproducibility
 class Gate(ag.Function):
     """Multiplies the gradient by ``scale`` once its event is set (an ``async`` backward)."""
