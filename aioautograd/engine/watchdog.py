@@ -77,6 +77,7 @@ def _main(executor_ref: weakref.ref[Executor]) -> None:
                 # stop the watchdog, nor the help.)
                 with contextlib.suppress(Exception):
                     _report(nodes, now - since, warned, computing)
+            del nodes  # not kept alive while the watchdog sleeps
             since = now
             ticks = [cpu_ticks(thread) for thread in executor.threads()]
         del executor
