@@ -29,6 +29,7 @@ from aioautograd.engine.engine import (
     set_default_engine,
 )
 from aioautograd.engine.policy import EnginePolicy
+from aioautograd.engine.watchdog import BlockedWorkerWarning
 from aioautograd.factories import (
     arange,
     as_tensor,
@@ -128,6 +129,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccumulateGrad",
+    "BlockedWorkerWarning",
     "Device",
     "Engine",
     "EnginePolicy",

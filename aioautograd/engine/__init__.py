@@ -9,9 +9,11 @@ from aioautograd.engine.engine import (
 )
 from aioautograd.engine.executor import MAX_DEPTH
 from aioautograd.engine.policy import EnginePolicy
+from aioautograd.engine.watchdog import BlockedWorkerWarning
 
 __all__ = [
     "MAX_DEPTH",
+    "BlockedWorkerWarning",
     "Engine",
     "EnginePolicy",
     "get_default_engine",

@@ -23,12 +23,13 @@ from aioautograd.autograd.node import AccumulateGrad, Node
 from aioautograd.autograd.saved import describe
 from aioautograd.devices.device import Device
 from aioautograd.engine.graph_task import GraphTask, current_graph_task, enter_graph_task
-from aioautograd.engine.input_buffer import accumulate
+from aioautograd.engine.input_buffer import accumulate, slot_orders
 from aioautograd.engine.ready_queue import NodeTask
 from aioautograd.engine.validate import validate_outputs, validated
 from aioautograd.tensor import Tensor
 
 if TYPE_CHECKING:
+    from aioautograd.devices.streams import Stream
     from aioautograd.engine.engine import Engine
     from aioautograd.engine.executor import Executor
 
@@ -57,12 +58,12 @@ def evaluate_function(task: NodeTask, device: Device) -> list[NodeTask] | None:
     if graph_task.has_error:
         graph_task.task_finished()
         return None
-    if current_graph_task.get() is not graph_task:
-        # Worker threads keep their own context; it changes only when they switch tasks.
-        enter_graph_task(graph_task)
     node = task.node
     inputs = task.inputs
     try:
+        if current_graph_task.get() is not graph_task:
+            # Worker threads keep their own context; it changes only when they switch tasks.
+            enter_graph_task(graph_task)
         if graph_task.pending_analysis is not None:  # first task: only one exists, no race
             graph_task.analyse()
         if task.outputs is not None:  # an async node finished on the loop
@@ -274,14 +275,22 @@ def _make_ready(
                 else:
                     if buffer is None:
                         buffer = _new_buffer(next_node)
-                    accumulate(buffer, input_nr, grad, producer, next_node._stream)
+                        accumulate(buffer, input_nr, grad, producer, next_node._stream)
+                    else:
+                        _add(graph_task, buffer, next_node, input_nr, node, i, grad, producer)
+                        graph_task.slot_orders.pop(next_node, None)
                 ready.append(NodeTask(graph_task, next_node, buffer))
             else:
                 dependencies[next_node] = count - 1
                 buffer = not_ready.get(next_node)
                 if buffer is None:
                     buffer = not_ready[next_node] = _new_buffer(next_node)
-                accumulate(buffer, input_nr, grad, producer, next_node._stream)
+                    producers = graph_task.fan_in.get(next_node)
+                    if producers is not None:
+                        orders = slot_orders(next_node, producers)
+                        if orders is not None:
+                            graph_task.slot_orders[next_node] = orders
+                _add(graph_task, buffer, next_node, input_nr, node, i, grad, producer)
         graph_task.outstanding_tasks += len(ready) - 1
         done = graph_task.outstanding_tasks == 0
     finally:
@@ -290,6 +299,26 @@ def _make_ready(
         graph_task.all_tasks_done()
         return None
     return ready
+
+
+def _add(
+    graph_task: GraphTask,
+    buffer: list[Tensor | None],
+    next_node: Node,
+    input_nr: int,
+    node: Node,
+    output_nr: int,
+    grad: Tensor | None,
+    producer: Stream | None,
+) -> None:
+    """Add a gradient into a buffer that several edges feed: in the input's fixed order
+    when three or more edges feed it (bitwise the same sum whatever the scheduling)."""
+    orders = graph_task.slot_orders.get(next_node)
+    order = orders[input_nr] if orders is not None else None
+    if order is None:
+        accumulate(buffer, input_nr, grad, producer, next_node._stream)
+    else:
+        order.add(buffer, input_nr, node, output_nr, grad, producer, next_node._stream)
 
 
 def _new_buffer(node: Node) -> list[Tensor | None]:

@@ -28,6 +28,7 @@ import numpy
 from aioautograd.devices.cpu_budget import CpuBudget, cpu_budget
 from aioautograd.engine.policy import NUMPY_ERRORS, SLEPT_FRACTION_OF_HOLD
 from aioautograd.engine.ready_queue import ReadyQueue
+from aioautograd.engine.watchdog import watch
 
 if TYPE_CHECKING:
     from aioautograd.devices.device import Device
@@ -46,6 +47,7 @@ class _WorkerState(threading.local):
 
     executor: Executor | None = None
     depth: int = 0
+    extra: bool = False  # an extra worker started by the watchdog (not budgeted)
     pause_at: float = 0.0  # when it next lets other threads take the GIL
 
 
@@ -64,6 +66,12 @@ class Executor:
         self.queue = ReadyQueue()
         self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
+        self._busy_lock = threading.Lock()
+        self.busy = 0  # threads running nodes or calls (the watchdog's "every worker held")
+        self.closed = False
+        self.extra_workers = 0  # started by the watchdog while nodes hold every worker
+        self._extra_threads: list[threading.Thread] = []
+        self._watched = False
         # The process's CPU budget (one object, updated in place by set_default_engine).
         self._budget = cpu_budget() if device.type == "cpu" else None
 
@@ -78,6 +86,7 @@ class Executor:
 
     def close(self) -> None:
         """Let the worker threads exit once the queue is empty (``Engine.close``)."""
+        self.closed = True
         for _ in self._threads:
             self.queue.push_call(_STOP)
 
@@ -91,6 +100,43 @@ class Executor:
                 )
                 self._threads.append(thread)
                 thread.start()
+            if not self._watched and self.device.type == "cpu":
+                self._watched = True
+                watch(self)
+
+    @property
+    def workers(self) -> int:
+        """Worker threads, extra ones included."""
+        return len(self._threads) + self.extra_workers
+
+    def threads(self) -> list[threading.Thread]:
+        """The worker threads, extra ones included."""
+        with self._start_lock:
+            return [*self._threads, *self._extra_threads]
+
+    def start_extra_worker(self) -> None:
+        """Start a worker that serves the queue until it is empty, outside the CPU budget
+        (the watchdog's answer to nodes that hold every worker: ``watchdog.py``)."""
+        thread = threading.Thread(
+            target=self._extra_main, name=f"aioautograd-{self.device}-extra", daemon=True
+        )
+        with self._start_lock:
+            self.extra_workers += 1
+            self._extra_threads.append(thread)
+        thread.start()
+
+    def _extra_main(self) -> None:
+        try:
+            self._become_worker()
+            worker_state.extra = True
+            task = self.queue.pop_nowait()
+            while task is not None:
+                self.run(task, drain=True)
+                task = self.queue.pop_nowait()
+        finally:
+            with self._start_lock:
+                self.extra_workers -= 1
+                self._extra_threads.remove(threading.current_thread())
 
     def _become_worker(self) -> None:
         worker_state.executor = self
@@ -100,11 +146,22 @@ class Executor:
         numpy.seterr(all=NUMPY_ERRORS)  # once per thread: see policy.NUMPY_ERRORS
 
     def _thread_main(self) -> None:
-        self._become_worker()
-        # No local reference survives an iteration: an idle worker must not keep the last
-        # graph (and its buffers) alive until its next task.
-        while self._serve(self._next_task()):
-            pass
+        stopped = False
+        try:
+            self._become_worker()
+            # No local reference survives an iteration: an idle worker must not keep the last
+            # graph (and its buffers) alive until its next task.
+            while self._serve(self._next_task()):
+                pass
+            stopped = True
+        finally:
+            if not stopped:  # something escaped (a bug): never leave the pool a thread short
+                self._replace(threading.current_thread())
+
+    def _replace(self, dead: threading.Thread) -> None:
+        with self._start_lock, contextlib.suppress(ValueError):
+            self._threads.remove(dead)
+        self._start()
 
     def _serve(self, item: NodeTask | OffloadedCall | None) -> bool:
         if type(item) is OffloadedCall:
@@ -133,12 +190,16 @@ class Executor:
         evaluate_task = _evaluate_task or _load_evaluate_task()
         engine = self.engine
         queue = self.queue
-        budget = self._budget
         state = worker_state
+        budget = self._budget if not state.extra else None
         counted = self._begin_work()
         try:
             while task is not None:
-                task = evaluate_task(engine, task, self)
+                try:
+                    task = evaluate_task(engine, task, self)
+                except BaseException as exc:  # a bug outside the node's own error handling
+                    task.graph_task.abort(exc)  # type: ignore[union-attr]
+                    task = None
                 if time.perf_counter() > state.pause_at:
                     pause_if_due()
                 if budget is not None and budget.active > budget.cores:  # overdrawn
@@ -146,7 +207,13 @@ class Executor:
                 if task is None and drain:
                     task = queue.pop_nowait()
         finally:
-            self._end_work(counted)
+            try:
+                if drain:
+                    # Going idle: the thread's context must not keep the last graph task (its
+                    # buffers, captured gradients, error) alive until its next task.
+                    forget_graph_task()
+            finally:
+                self._end_work(counted)
 
     def _run_call(self, call: OffloadedCall) -> None:
         counted = self._begin_work()
@@ -156,11 +223,17 @@ class Executor:
             self._end_work(counted)
 
     def _begin_work(self) -> bool:
-        """Count this thread against the CPU budget (waiting for a core); return whether
-        the budget counted it (False on a reentrant run)."""
-        return self._budget is not None and self._budget.enter()
+        """Count this thread as busy, and against the CPU budget (waiting for a core); return
+        whether the budget counted it (False on a reentrant run, or for a watchdog's extra
+        worker)."""
+        with self._busy_lock:
+            self.busy += 1
+        budget = self._budget
+        return budget is not None and not worker_state.extra and budget.enter()
 
     def _end_work(self, counted: bool) -> None:
+        with self._busy_lock:
+            self.busy -= 1
         if counted:
             self._budget.leave()  # type: ignore[union-attr]
 
@@ -222,6 +295,21 @@ def _load_evaluate_task() -> Callable[[Engine, NodeTask, Executor], NodeTask | N
 
     _evaluate_task = evaluate_task
     return evaluate_task
+
+
+def forget_graph_task() -> None:
+    """Clear the calling worker's ``current_graph_task`` (bound on first use: import cycle)."""
+    global _current_graph_task
+    var = _current_graph_task
+    if var is None:
+        from aioautograd.engine.graph_task import current_graph_task
+
+        var = _current_graph_task = current_graph_task
+    if var.get() is not None:
+        var.set(None)
+
+
+_current_graph_task: contextvars.ContextVar[Any] | None = None
 
 
 class OffloadedCall:

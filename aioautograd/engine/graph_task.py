@@ -51,16 +51,17 @@ from aioautograd.autograd.node import Edge, Node
 from aioautograd.autograd.saved import describe
 from aioautograd.devices.device import stash_current_streams
 from aioautograd.engine.executor import pause_if_due
+from aioautograd.engine.input_buffer import SlotOrder
 from aioautograd.engine.loop_turns import loop_turns
 from aioautograd.engine.ready_queue import DEPTH_SHIFT, NodeTask, ReadyQueue
 from aioautograd.grad_mode import _grad_enabled
 from aioautograd.profiler.recorder import active_profiler, current_label, profile
+from aioautograd.tensor import Tensor
 
 if TYPE_CHECKING:
     from aioautograd.devices.device import Device
     from aioautograd.devices.streams import Event, Stream
     from aioautograd.engine.engine import Engine
-    from aioautograd.tensor import Tensor
 
 _ids = itertools.count(1)
 
@@ -121,6 +122,10 @@ class GraphTask:
         self.lock = threading.Lock()
         self.outstanding_tasks = 0
         self.dependencies: dict[Node, int] = {}
+        # Nodes that several edges feed -> the nodes those edges come from (one entry per
+        # edge), and the summation orders built from them at a node's first gradient.
+        self.fan_in: dict[Node, list[Node]] = {}
+        self.slot_orders: dict[Node, list[SlotOrder | None]] = {}
         self.not_ready: dict[Node, list[Tensor | None]] = {}
         self.exec_info: dict[Node, ExecInfo] | None = None
         self.pending_analysis: tuple[Node, Sequence[Edge] | None, bool, int] | None = None
@@ -136,6 +141,13 @@ class GraphTask:
         self._done_event: threading.Event | None = None
         self._async_context: contextvars.Context | None = None
         self._async_tasks: set[asyncio.Task[None]] = set()
+        # Nested passes started by this one's nodes (checkpoint): cancelled with it.
+        self._children: set[GraphTask] | None = None
+        if parent is not None:
+            with parent.lock:
+                if parent._children is None:
+                    parent._children = set()
+                parent._children.add(self)
         # Streams: the caller's current ones, and those of the leaves that were accumulated
         # into; joined at completion so the caller may read ``.grad`` on its own streams.
         self.caller_streams = stash_current_streams()
@@ -161,6 +173,7 @@ class GraphTask:
         root, outputs, accumulate_grad, min_topo_nr = pending
         if not self.compute_dependencies(root, min_topo_nr, max_nodes):
             self.dependencies = {}
+            self.fan_in = {}
             return False
         self.pending_analysis = None
         if outputs is not None:
@@ -176,12 +189,14 @@ class GraphTask:
     def compute_dependencies(
         self, root: Node, min_topo_nr: int, max_nodes: int | None = None
     ) -> bool:
-        """Count, for each node reachable from ``root``, the edges that lead into it.
+        """Count, for each node reachable from ``root``, the edges that lead into it, and
+        note where the edges into nodes fed by several come from (``fan_in``).
 
         Returns False, with the counts incomplete, once more than ``max_nodes`` are seen.
         """
         dependencies = self.dependencies
-        seen = {root}
+        fan_in = self.fan_in
+        first: dict[Node, Node] = {}  # each node seen -> the node of its first edge
         stack = [root]
         limit = max_nodes if max_nodes is not None else sys.maxsize
         while stack:
@@ -189,13 +204,20 @@ class GraphTask:
             for next_node, _ in node._next_edges:
                 if next_node is None or next_node.topological_nr < min_topo_nr:
                     continue
-                dependencies[next_node] = dependencies.get(next_node, 0) + 1
-                if next_node not in seen:
-                    seen.add(next_node)
+                count = dependencies.get(next_node, 0)
+                dependencies[next_node] = count + 1
+                if count:
+                    producers = fan_in.get(next_node)
+                    if producers is None:
+                        fan_in[next_node] = [first[next_node], node]
+                    else:
+                        producers.append(node)
+                else:
+                    first[next_node] = node
                     stack.append(next_node)
-                    if len(seen) > limit:
+                    if len(first) >= limit:
                         return False
-                    if not len(seen) & 1023:
+                    if not len(first) & 1023:
                         pause_if_due()
         return True
 
@@ -254,9 +276,13 @@ class GraphTask:
             self.all_tasks_done()
 
     def all_tasks_done(self) -> None:
-        """(executor or loop) Called exactly once, by whoever brought ``outstanding_tasks``
-        to zero: wakes the starter."""
+        """(executor or loop) Called once, by whoever brought ``outstanding_tasks`` to zero (or
+        by ``abort``): wakes the starter."""
         self.completed = True
+        parent = self.parent
+        if parent is not None and parent._children is not None:
+            with parent.lock:
+                parent._children.discard(self)
         if self._done_event is not None:
             self._done_event.set()
         if self.owner_queue is not None:
@@ -291,10 +317,30 @@ class GraphTask:
             self.has_error = True
             self.error = exc
         if node is not None and not isinstance(exc, asyncio.CancelledError):
-            _annotate(exc, self, node, device, inputs)
+            # A note that cannot be added (``__notes__`` set to None...) must not lose the error.
+            with contextlib.suppress(Exception):
+                _annotate(exc, self, node, device, inputs)
         if self.loop is not None and self._async_tasks:
             with contextlib.suppress(RuntimeError):
                 self.loop.call_soon_threadsafe(self._cancel_async_nodes)
+
+    def abort(self, exc: BaseException) -> None:
+        """Fail the graph task with ``exc`` and complete it now, whatever its count of
+        outstanding tasks (an error escaped the engine's own bookkeeping: the count cannot
+        be trusted, and the caller must get the error rather than wait forever)."""
+        self.set_error(exc, None, None, None)
+        if not self.completed:
+            self.all_tasks_done()
+
+    def cancel(self) -> None:
+        """Stop the pass: no node of it (or of a nested pass it started) starts any more,
+        and its ``async`` nodes are cancelled. A node already running finishes in the
+        background; nobody waits for it."""
+        self.set_error(asyncio.CancelledError(), None, None, None)  # cancels async nodes
+        with self.lock:
+            children = tuple(self._children) if self._children else ()
+        for child in children:
+            child.cancel()
 
     def _cancel_async_nodes(self) -> None:
         for task in tuple(self._async_tasks):
@@ -325,10 +371,10 @@ class GraphTask:
         try:
             outputs = await node.apply(inputs)  # type: ignore[misc]
         except BaseException as exc:  # includes CancelledError: the task is over either way
+            # KeyboardInterrupt and the like too: raised here they would stop the event loop
+            # (every other pass on it with it); they are the awaiting caller's to handle.
             self.set_error(exc, node, None, inputs)
             self.task_finished()
-            if not isinstance(exc, Exception | asyncio.CancelledError):
-                raise
             return
         # Validation, hooks and bookkeeping happen on an executor, never on the loop.
         self.engine.push_continuation(NodeTask(self, node, [], outputs))
@@ -355,16 +401,9 @@ class GraphTask:
                 await self._done_future  # type: ignore[misc]
                 await loop_turns(loop).take_turn()
         except asyncio.CancelledError:
-            self.set_error(asyncio.CancelledError(), None, None, None)
-            self._cancel_async_nodes()
-            while not self.completed:
-                self._done_future = loop.create_future()
-                if self.completed:
-                    break
-                try:
-                    await self._done_future
-                except asyncio.CancelledError:
-                    continue
+            # Prompt: the tasks left are dropped by the workers as they pop them.
+            self.cancel()
+            self._async_context = None
             raise
         post = self.exec_post_processing()
         try:
@@ -377,6 +416,7 @@ class GraphTask:
                     await pending
         finally:
             post.close()
+            self._release()
         return self.captured_vars
 
     def run_sync(self, first: NodeTask, device: Device) -> list[Tensor | None]:
@@ -400,6 +440,7 @@ class GraphTask:
                     self._await_from_thread(pending)
         finally:
             post.close()
+            self._release()
         return self.captured_vars
 
     def exec_post_processing(
@@ -433,6 +474,17 @@ class GraphTask:
                     yield result
         finally:
             current_graph_task.reset(token)
+
+    def _release(self) -> None:
+        """Drop what the finished pass holds (buffers of nodes that never became ready,
+        the walks' tables, its context) so that nothing outlives it, even while a
+        reference to the graph task itself remains (a traceback, say)."""
+        self.not_ready = {}
+        self.dependencies = {}
+        self.fan_in = {}
+        self.slot_orders = {}
+        self.exec_info = None
+        self._async_context = None
 
     def _await_from_thread(self, coroutine: Any) -> None:
         loop = self.loop
@@ -487,7 +539,7 @@ def _annotate(
     device: Device | None,
     inputs: Sequence[Tensor | None] | None,
 ) -> None:
-    described = ", ".join("None" if grad is None else describe(grad) for grad in (inputs or ()))
+    described = ", ".join(_describe_value(grad) for grad in (inputs or ()))
     where = f" on device {device}" if device is not None else ""
     exc.add_note(
         f"Raised by {node.name()} in graph task {graph_task.id}{where}; "
@@ -508,6 +560,15 @@ def _annotate(
             )
         current = metadata.get("parent_")
         induced = True
+
+
+def _describe_value(value: object) -> str:
+    """``describe`` for what a buffer slot holds; a hook may have put anything there."""
+    if value is None:
+        return "None"
+    if isinstance(value, Tensor):
+        return describe(value)
+    return f"<{type(value).__name__}, not a Tensor>"
 
 
 # After a backward on an accelerator the loop polls its completion events this long before

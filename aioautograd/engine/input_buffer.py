@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from aioautograd.autograd.node import AccumulateGrad
 from aioautograd.devices.device import CPU, Device
 from aioautograd.grad_mode import _grad_enabled
 from aioautograd.tensor import wrap
 
 if TYPE_CHECKING:
+    from aioautograd.autograd.node import Node
     from aioautograd.devices.streams import Stream
     from aioautograd.tensor import Tensor
 
@@ -50,6 +52,96 @@ def accumulate(
     stream = consumer if consumer is not None and grad.device is consumer.device else producer
     with grad.device.backend.use_stream(stream, "accumulate"):
         buffer[position] = _sum(old, grad)
+
+
+class SlotOrder:
+    """The fixed order in which the gradients flowing into one input of a node are summed.
+
+    Floating-point addition is not associative: with three or more gradients into one
+    input, summing them as they arrive from different workers (or ``async`` nodes) would
+    make the result depend on scheduling. They are summed in the order of their edges
+    instead, producers latest-created first (the order one thread running the ready queue
+    produces, so usually nothing waits); a gradient that arrives early is held until the
+    ones before it are in. Two gradients need no order (``a + b == b + a``).
+    """
+
+    __slots__ = ("expected", "held", "next")
+
+    def __init__(self, expected: list[tuple[Node, int]]) -> None:
+        self.expected = expected  # (producer, its output index), in summation order
+        self.next = 0
+        self.held: dict[tuple[Node, int], tuple[Tensor | None, Stream | None]] | None = None
+
+    def add(
+        self,
+        buffer: InputBuffer,
+        position: int,
+        source: Node,
+        output_nr: int,
+        grad: Tensor | None,
+        producer: Stream | None,
+        consumer: Stream | None,
+    ) -> None:
+        """``accumulate`` the gradient ``source`` sent along its edge ``output_nr``, once
+        every gradient before it in the order is in."""
+        expected = self.expected
+        k = self.next
+        if k == len(expected):  # an edge the graph walk did not see: nothing to order by
+            accumulate(buffer, position, grad, producer, consumer)
+            return
+        head = expected[k]
+        if head[0] is not source or head[1] != output_nr:
+            if self.held is None:
+                self.held = {}
+            self.held[(source, output_nr)] = (grad, producer)
+            return
+        accumulate(buffer, position, grad, producer, consumer)
+        k += 1
+        held = self.held
+        while held and k < len(expected):
+            term = held.pop(expected[k], None)
+            if term is None:
+                break
+            accumulate(buffer, position, term[0], term[1], consumer)
+            k += 1
+        self.next = k
+
+
+def slot_orders(node: Node, producers: list[Node]) -> list[SlotOrder | None] | None:
+    """The :class:`SlotOrder` of each input of ``node`` that three or more edges feed
+    (``None`` for the others), or ``None`` when no input needs one.
+
+    ``producers`` are the nodes with edges into ``node``, one entry per edge (the graph walk
+    lists a producer's edges one after another).
+    """
+    if len(producers) < 3:
+        return None
+    inputs = 1 if type(node) is AccumulateGrad else len(node._input_metadata)
+    edges: list[list[tuple[int, int, Node]]] = [[] for _ in range(inputs)]
+    previous = None
+    for producer in producers:
+        if producer is previous:
+            continue
+        previous = producer
+        key = -producer.sequence_nr
+        output_nr = -1
+        for target, input_nr in producer._next_edges:
+            output_nr += 1
+            if target is node:
+                edges[input_nr].append((key, output_nr, producer))
+    orders: list[SlotOrder | None] = []
+    needed = False
+    for slot in edges:
+        if len(slot) < 3:
+            orders.append(None)
+            continue
+        try:
+            slot.sort()
+        except TypeError:  # two producers with one sequence number: keep the walk's order
+            slot.sort(key=lambda edge: (edge[0], edge[1]))
+        orders.append(SlotOrder([(producer, output_nr) for _, output_nr, producer in slot]))
+        needed = True
+    return orders if needed else None
 
 
 def _sum(old: Tensor, grad: Tensor) -> Tensor:

@@ -75,6 +75,12 @@ class EnginePolicy:
             with offloaded steps, heartbeat p99 with product slices: 2.5 ms at 2 ms, 1.8 ms
             at 1 ms, 1.7 ms at 0.5 ms, wall times within 4% of each other.
         gil_pause_s: how long it lets them.
+        blocked_node_s: when every CPU worker has been busy this long while backward tasks
+            wait without one being taken, the engine warns (``BlockedWorkerWarning``,
+            naming the nodes that hold the workers: usually a backward that waits on a
+            lock, an event or I/O) and, unless those workers used the CPU meanwhile,
+            starts an extra worker, outside the CPU budget, that serves the queue until
+            it is empty (``engine/watchdog.py``). 0 disables.
     """
 
     cpu_threads: int | None = None
@@ -90,3 +96,4 @@ class EnginePolicy:
     inline_max_elements: int = 1 << 16
     gil_hold_s: float = 0.001
     gil_pause_s: float = 0.00002
+    blocked_node_s: float = 1.0

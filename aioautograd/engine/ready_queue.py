@@ -143,6 +143,20 @@ class ReadyQueue:
         except IndexError:
             return None
 
+    def head_mark(self) -> int | None:
+        """An identity of the item to pop next (``None`` if empty): unchanged over time
+        while nothing is popped (an unlocked peek, for the watchdog)."""
+        heap = self._heap
+        try:
+            return id(heap[0][2])
+        except IndexError:
+            pass
+        calls = self._calls
+        try:
+            return id(calls[0])
+        except IndexError:
+            return None
+
     def wake_all(self) -> None:
         """Wake every sleeping thread (so that one driving a finished graph task returns)."""
         with self._lock:

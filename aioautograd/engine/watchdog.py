@@ -1,0 +1,169 @@
+"""The watchdog of a CPU executor: worker threads held by nodes that block.
+
+A backward node that waits (on a lock, an event, I/O, a sleep) holds its worker thread for
+as long as it waits. With every worker held so, every other backward pass of the process
+waits too: the pool has as many workers as cores (2 on a 2-core machine). The watchdog
+notices when the executor's queue has not moved for ``EnginePolicy.blocked_node_s`` while
+every worker is busy, and warns (``BlockedWorkerWarning``) naming the nodes that hold the
+workers. Unless every held worker used the CPU meanwhile (long nodes that compute: another
+thread would only oversubscribe the cores), it also starts an extra worker that serves the
+queue until it is empty. Extra workers do not count against the CPU budget (the held
+workers do, although a waiting thread leaves its core idle); at most ``MAX_EXTRA_WORKERS``
+run at once.
+
+It reads the queue and the workers' stacks from its own thread, every quarter of the limit:
+nothing is added to the nodes' path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+import warnings
+import weakref
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from aioautograd.autograd.node import Node
+    from aioautograd.engine.executor import Executor
+
+MAX_EXTRA_WORKERS = 8
+
+
+class BlockedWorkerWarning(RuntimeWarning):
+    """Every worker of the CPU executor has been held by the same nodes for a while."""
+
+
+def watch(executor: Executor) -> None:
+    """Start the watchdog thread of ``executor`` (it ends with the executor)."""
+    thread = threading.Thread(
+        target=_main, args=(weakref.ref(executor),), name="aioautograd-watchdog", daemon=True
+    )
+    thread.start()
+
+
+def _main(executor_ref: weakref.ref[Executor]) -> None:
+    last_mark: int | None = None
+    since = time.monotonic()
+    ticks: list[int | None] = []
+    warned: weakref.WeakSet[Node] = weakref.WeakSet()
+    while True:
+        executor = executor_ref()
+        if executor is None or executor.closed:
+            return
+        limit = executor.engine.policy.blocked_node_s
+        interval = min(0.25, max(0.01, limit / 4)) if limit > 0 else 0.25
+        now = time.monotonic()
+        mark = executor.queue.head_mark()
+        if limit <= 0 or mark is None or executor.busy < executor.workers:
+            last_mark = None
+        elif mark != last_mark:
+            last_mark, since = mark, now
+            ticks = [cpu_ticks(thread) for thread in executor.threads()]
+        elif now - since >= limit and executor.extra_workers < MAX_EXTRA_WORKERS:
+            # No node held (workers waiting for a core between two nodes): the budget's
+            # business, not ours.
+            nodes = held_nodes(executor)
+            if nodes:
+                computing = _all_computing(executor, ticks, now - since)
+                if not computing:
+                    executor.start_extra_worker()
+                # (After the worker: a warnings filter that turns it into an error must not
+                # stop the watchdog, nor the help.)
+                with contextlib.suppress(Exception):
+                    _report(nodes, now - since, warned, computing)
+            del nodes  # not kept alive while the watchdog sleeps
+            since = now
+            ticks = [cpu_ticks(thread) for thread in executor.threads()]
+        del executor
+        time.sleep(interval)
+
+
+def _all_computing(executor: Executor, before: list[int | None], held_s: float) -> bool:
+    """Whether every worker used the CPU over the last ``held_s`` (at least 5% of a core:
+    a thread that waits uses none, one that computes on a loaded machine still gets about
+    a third): long nodes that compute, for which another thread would only oversubscribe
+    the cores. False where the kernel does not say (no ``/proc``)."""
+    threads = executor.threads()
+    if len(threads) != len(before):
+        return False
+    hz = _CLOCK_TICKS
+    for thread, start in zip(threads, before, strict=True):
+        end = cpu_ticks(thread)
+        if start is None or end is None or hz is None or (end - start) / hz < 0.05 * held_s:
+            return False
+    return True
+
+
+def cpu_ticks(thread: threading.Thread) -> int | None:
+    """The CPU time ``thread`` has used, in clock ticks (Linux), or ``None``."""
+    try:
+        with open(f"/proc/self/task/{thread.native_id}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _clock_ticks() -> int | None:
+    try:
+        return os.sysconf("SC_CLK_TCK")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+_CLOCK_TICKS = _clock_ticks()
+
+
+def _report(
+    held: list[Node], held_s: float, warned: weakref.WeakSet[Node], computing: bool
+) -> None:
+    nodes = [node for node in held if node not in warned]
+    if not nodes:
+        return
+    warned.update(nodes)
+    names = ", ".join(sorted({node.name() for node in nodes}))
+    if computing:
+        advice = (
+            "They are computing: the cores are busy, and other passes wait their turn. "
+            "Split long backward nodes if other passes must not wait this long."
+        )
+    else:
+        advice = (
+            "A backward that blocks (a lock, an event, I/O, sleep) holds its worker thread "
+            "and delays every other backward pass: make it `async def backward` and await "
+            "instead. An extra worker was started."
+        )
+    warnings.warn(
+        f"aioautograd: every CPU worker has been busy for {held_s:.1f} s while backward "
+        f"tasks wait; the workers are running {names}. {advice} "
+        "(EnginePolicy.blocked_node_s sets this delay.)",
+        BlockedWorkerWarning,
+        stacklevel=1,
+    )
+
+
+def held_nodes(executor: Executor) -> list[Node]:
+    """The nodes the executor's threads are running now (read from their stacks)."""
+    from aioautograd.engine.evaluate import evaluate_function
+
+    code = evaluate_function.__code__
+    idents = {thread.ident for thread in executor.threads()}
+    nodes: list[Node] = []
+    for ident, frame in sys._current_frames().items():
+        if ident not in idents:
+            continue
+        current: FrameType | None = frame
+        while current is not None:
+            if current.f_code is code:
+                node = current.f_locals.get("node")
+                if node is not None:
+                    nodes.append(node)
+                break
+            current = current.f_back
+    return nodes
