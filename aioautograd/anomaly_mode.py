@@ -11,7 +11,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from contextvars import ContextVar, Token
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -78,7 +78,7 @@ class detect_anomaly:
                 finally:
                     _anomaly.reset(token)
 
-            return async_wrapper  # type: ignore[return-value]
+            return cast(F, async_wrapper)
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -88,7 +88,7 @@ class detect_anomaly:
             finally:
                 _anomaly.reset(token)
 
-        return wrapper  # type: ignore[return-value]
+        return cast(F, wrapper)
 
 
 class set_detect_anomaly(detect_anomaly):

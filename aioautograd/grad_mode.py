@@ -20,7 +20,7 @@ import inspect
 import warnings
 from collections.abc import AsyncGenerator, Callable, Generator
 from contextvars import ContextVar, Token
-from typing import Any, Self, TypeVar, overload
+from typing import Any, Self, TypeVar, cast, overload
 
 _grad_enabled: ContextVar[bool] = ContextVar("grad_enabled", default=True)
 
@@ -68,7 +68,7 @@ class _ModeContext:
                 with self._fresh():
                     return await func(*args, **kwargs)
 
-            return async_wrapper  # type: ignore[return-value]
+            return cast(F, async_wrapper)
 
         if inspect.isasyncgenfunction(func):
 
@@ -76,7 +76,7 @@ class _ModeContext:
             def async_generator_wrapper(*args: Any, **kwargs: Any) -> Any:
                 return _in_mode_async(self, func(*args, **kwargs))
 
-            return async_generator_wrapper  # type: ignore[return-value]
+            return cast(F, async_generator_wrapper)
 
         if inspect.isgeneratorfunction(func):
 
@@ -84,14 +84,14 @@ class _ModeContext:
             def generator_wrapper(*args: Any, **kwargs: Any) -> Any:
                 return (yield from _in_mode(self, func(*args, **kwargs)))
 
-            return generator_wrapper  # type: ignore[return-value]
+            return cast(F, generator_wrapper)
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             with self._fresh():
                 return func(*args, **kwargs)
 
-        return wrapper  # type: ignore[return-value]
+        return cast(F, wrapper)
 
 
 def _in_mode(mode: _ModeContext, generator: Generator[Any, Any, Any]) -> Generator[Any, Any, Any]:

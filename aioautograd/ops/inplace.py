@@ -108,7 +108,8 @@ class ExpInplace(Op):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         (result,) = ctx.saved_tensors
-        return grad * result  # type: ignore[no-any-return]
+        product: Tensor = grad * result
+        return product
 
 
 class FillInplace(Op):

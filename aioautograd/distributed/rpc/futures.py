@@ -36,11 +36,13 @@ class RpcFuture(asyncio.Task, Generic[T]):  # type: ignore[type-arg]
         Raises:
             asyncio.InvalidStateError: when the call has not completed (``await`` it).
         """
-        return self.result()  # type: ignore[no-any-return]
+        result: T = self.result()
+        return result
 
     async def wait(self) -> T:
         """Wait for the result (PyTorch's ``Future.wait()``; the same as ``await fut``)."""
-        return await self  # type: ignore[no-any-return]
+        result: T = await self
+        return result
 
     def then(self, callback: Callable[[RpcFuture[T]], S]) -> asyncio.Future[Any]:
         """A future resolved with ``callback(self)`` once this one completes.

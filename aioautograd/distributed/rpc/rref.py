@@ -155,8 +155,10 @@ class RRef(Generic[T]):
                     "coroutine cannot block for it: use `await rref.to_here()` (on the owner "
                     "it returns the value itself)"
                 )
-            return self._agent.run_sync(self.to_here)  # type: ignore[no-any-return]
-        return future.result()  # type: ignore[no-any-return]
+            fetched: T = self._agent.run_sync(self.to_here)
+            return fetched
+        value: T = future.result()
+        return value
 
     def confirmed_by_owner(self) -> bool:
         """True once the owner knows of this reference (always on the owner; for an RRef
@@ -233,7 +235,8 @@ class RRef(Generic[T]):
 
     def to_here_sync(self, timeout: float | None = None) -> T:
         """Blocking :meth:`to_here`, for plain functions on worker threads (not on the loop)."""
-        return self._agent.run_sync(self.to_here, timeout)  # type: ignore[no-any-return]
+        value: T = self._agent.run_sync(self.to_here, timeout)
+        return value
 
     def __rpc_encode__(self) -> tuple[int, list[Any]]:
         return wire.EXT_RREF, [self._owner.name, self._owner.id, *self._rref_id]

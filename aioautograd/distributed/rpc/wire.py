@@ -212,9 +212,10 @@ class _Encoder:
 
     def pack(self, obj: Any) -> bytes:
         try:
-            return msgpack.packb(  # type: ignore[no-any-return]
+            packed: bytes = msgpack.packb(
                 obj, default=self._default, strict_types=True, use_bin_type=True, datetime=False
             )
+            return packed
         except OverflowError as exc:
             raise TypeError(f"cannot send an integer outside the 64-bit range: {exc}") from None
 
