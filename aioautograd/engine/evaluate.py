@@ -211,6 +211,13 @@ def _call_tensor_pre_hooks(node: Node, inputs: Grads) -> Grads:
                             "hook called with None (its tensor received no gradient) must "
                             "return None"
                         )
+                    if not isinstance(result, Tensor):
+                        name = getattr(hook, "__qualname__", repr(hook))
+                        raise TypeError(
+                            f"expected Tensor or None (got {type(result).__name__}): hook "
+                            f"'{name}' must return the new gradient as a Tensor, or None to "
+                            "keep the gradient it was given"
+                        )
                     inputs[input_nr] = result
     if node._retains_grad_hooks:
         for input_nr, tensor_ref in node._retains_grad_hooks.items():

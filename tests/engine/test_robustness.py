@@ -49,9 +49,8 @@ async def test_100_hooks_returning_a_non_tensor_fail_their_pass_and_kill_no_work
         x = ag.randn(50, 50, requires_grad=True)
         y = x * 2
         y.register_hook(lambda grad: 0.0)
-        with pytest.raises(Exception) as info:  # noqa: PT011 - the hooks' owner validates
+        with pytest.raises(TypeError, match=r"expected Tensor or None \(got float\)"):
             await asyncio.wait_for(y.sum().backward(), 10)
-        assert not isinstance(info.value, asyncio.TimeoutError)
     executor = engine.executor(ag.device("cpu"))
     assert sum(t.is_alive() for t in executor._threads) == executor.num_threads
     await _still_works()
