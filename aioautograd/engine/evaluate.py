@@ -40,15 +40,26 @@ _NO_INPUTS: Grads = []
 def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTask | None:
     """(executor) Evaluate ``task``; return a successor to run next on this thread, if any."""
     device = executor.device
-    ready = evaluate_function(task, device)
+    ready = evaluate_function(task, device, True)
     if not ready:
         return None
+    if len(ready) == 1:
+        # The chain's case, without Engine.dispatch: one successor whose first gradient is
+        # on this device runs next here, unless a task of higher priority waits (as dispatch).
+        successor = ready[0]
+        grads = successor.inputs
+        first = grads[0]
+        if first is not None and first.device is device:
+            top = executor.queue.top_key()
+            if top is None or top <= successor.key:
+                return successor
     return engine.dispatch(ready, device)
 
 
-def evaluate_function(task: NodeTask, device: Device) -> list[NodeTask] | None:
+def evaluate_function(task: NodeTask, device: Device, reuse: bool = False) -> list[NodeTask] | None:
     """(executor or loop) Evaluate ``task`` on this thread and return the successor tasks it
-    made ready.
+    made ready. With ``reuse`` (the caller holds ``task`` for nothing else), a single
+    successor of a single-edge node may be ``task`` itself, refilled.
 
     Errors fail the graph task (delivered to whoever awaits it) and are not raised here:
     the thread lives on (re-raising would kill a worker and shrink the executor for every
@@ -96,7 +107,9 @@ def evaluate_function(task: NodeTask, device: Device) -> list[NodeTask] | None:
             if called is None:  # handed to the event loop, or nothing to run
                 return None
             outputs = called
-        return _make_ready(graph_task, node, outputs)
+        return _make_ready(
+            graph_task, node, outputs, task if reuse and task.outputs is None else None
+        )
     except BaseException as exc:
         graph_task.set_error(exc, node, device, inputs)
         graph_task.task_finished()
@@ -247,9 +260,11 @@ def _check_nan(node: Node, outputs: Sequence[Tensor | None]) -> None:
 
 
 def _make_ready(
-    graph_task: GraphTask, node: Node, outputs: Sequence[Tensor | None]
+    graph_task: GraphTask, node: Node, outputs: Sequence[Tensor | None], reuse: NodeTask | None
 ) -> list[NodeTask] | None:
-    """Dependency bookkeeping: fill input buffers and return the successors made ready."""
+    """Dependency bookkeeping: fill input buffers and return the successors made ready
+    (``reuse``: a finished task to refill for the successor of a single-edge node, saving
+    an allocation per node of a chain)."""
     exec_info = graph_task.exec_info
     producer = node._stream
     ready: list[NodeTask] = []
@@ -279,6 +294,12 @@ def _make_ready(
                     else:
                         buffer = [None] * len(next_node._input_metadata)
                         buffer[input_nr] = grad
+                    if reuse is not None and i == 0 and len(node._next_edges) == 1:
+                        reuse.node = next_node
+                        reuse.inputs = buffer
+                        reuse.key = graph_task.depth_key | next_node.sequence_nr
+                        ready.append(reuse)
+                        continue
                 else:
                     if buffer is None:
                         buffer = _new_buffer(next_node)
