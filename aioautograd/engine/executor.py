@@ -169,7 +169,11 @@ class Executor:
         elif item is _STOP:
             return False
         else:
-            self.run(item, drain=True)  # type: ignore[arg-type]
+            # Hand the task over without keeping a reference here: once run() has marked the
+            # thread idle, nothing of the finished pass may stay alive in this frame.
+            held: list[NodeTask] = [item]  # type: ignore[list-item]
+            del item
+            self.run(held.pop(), drain=True)
         return True
 
     def _next_task(self) -> NodeTask | OffloadedCall | None:
