@@ -47,25 +47,6 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-async def eventually(
-    probe: Callable[[], Awaitable[Any]], seconds: float = 10.0, what: str = "the condition"
-) -> Any:
-    """Await ``probe()`` until it returns something truthy (returned), at most ``seconds``.
-
-    For effects that PyTorch makes best-effort and asynchronous, e.g. the release of a
-    distributed autograd context on the other workers after ``context()`` exits.
-    """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    while True:
-        result = await probe()
-        if result:
-            return result
-        if loop.time() > deadline:
-            raise AssertionError(f"{what} not reached within {seconds} s (last: {result!r})")
-        await asyncio.sleep(0.01)
-
-
 async def in_fresh_context(body: Callable[[], Awaitable[T]]) -> T:
     """Run ``body`` in a task with an empty context: a second driver beside the module's."""
 

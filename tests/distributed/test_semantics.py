@@ -31,7 +31,7 @@ from aioautograd.distributed.rpc import wire
 from aioautograd.engine import get_default_engine
 from tests.distributed import dist_fns, remote_fns
 from tests.distributed import semantic_fns as sem
-from tests.distributed.conftest import BACKENDS, World, eventually, in_fresh_context, start_world
+from tests.distributed.conftest import BACKENDS, World, in_fresh_context, start_world
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
 
@@ -81,15 +81,10 @@ async def _eventually(probe: Callable[[], Any], seconds: float = 5.0) -> None:
 
 
 async def _assert_clean(world: World) -> None:
-    # Released at once here, on the other workers eventually (fire-and-forget, as PyTorch).
+    infos = [dist_autograd.get_debug_info()]
+    infos += [await rpc.rpc_async(w, dist_fns.debug_info) for w in world.workers]
     clean = {"num_autograd_contexts": 0, "num_current_backward_passes": 0}
-    assert dist_autograd.get_debug_info() == clean
-
-    async def others_clean() -> bool:
-        infos = [await rpc.rpc_async(w, dist_fns.debug_info) for w in world.workers]
-        return infos == [clean] * len(world.workers)
-
-    await eventually(others_clean, what="the context's release on every worker")
+    assert infos == [clean] * (1 + len(world.workers))
 
 
 # ---------------------------------------------------------------------------- rpc_async
@@ -452,12 +447,8 @@ async def test_peers_run_backward_through_a_worker_in_its_shutdown(
                 )
             np.testing.assert_allclose(grad, np.ones((2, 3)) @ w.numpy().T, rtol=1e-12)
             np.testing.assert_allclose(w_grad, x.detach().numpy().T @ np.ones((2, 3)), rtol=1e-12)
-            clean = {"num_autograd_contexts": 0, "num_current_backward_passes": 0}
-
-            async def released() -> bool:
-                return bool(await rpc.rpc_async("worker1", dist_fns.debug_info) == clean)
-
-            await eventually(released, what="the release on worker1 in its shutdown")
+            info = await rpc.rpc_async("worker1", dist_fns.debug_info)
+            assert info == {"num_autograd_contexts": 0, "num_current_backward_passes": 0}
             return await held.close()
         finally:
             if not held.driver.is_shut_down:  # the test failed: let the held workers go

@@ -12,7 +12,7 @@ from aioautograd.distributed.autograd.context import (
     _context_task,
     _current_context,
 )
-from aioautograd.distributed.autograd.dist_engine import container_of, release_soon, task_context
+from aioautograd.distributed.autograd.dist_engine import container_of, release_on, task_context
 from aioautograd.distributed.rpc.worker import current_agent
 from aioautograd.tensor import Tensor
 
@@ -22,10 +22,8 @@ async def context() -> AsyncIterator[int]:
     """Create a distributed autograd context; yields its id (unique across workers).
 
     Inside, every RPC carrying tensors that require grad is recorded for backward. On exit
-    the context is released here at once, and on every other worker that took part as
-    PyTorch does: best-effort, without waiting for their acknowledgements (the releases are
-    sent from a background task that a graceful ``rpc.shutdown()`` waits for; failures to
-    reach a worker are logged, not raised).
+    the context is released on every worker that took part, and the exit waits for their
+    acknowledgements (failures to reach a worker are logged, not raised).
 
     Contexts do not nest: as PyTorch refuses a second context on a thread that has one, a
     task inside a context (or a remote function running in a caller's context) cannot
@@ -63,7 +61,7 @@ async def context() -> AsyncIterator[int]:
         _current_context.reset(token)
         container.pop(ctx.context_id)
         ctx.release()
-        release_soon(agent, ctx, None)
+        await release_on(agent, ctx, None)
 
 
 def get_gradients(context_id: int) -> dict[Tensor, Tensor]:

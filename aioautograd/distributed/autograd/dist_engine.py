@@ -236,20 +236,14 @@ async def _backward_handler(
         await run_pass(container, context, roots, inputs)
 
 
-def release_soon(agent: RpcAgent, context: DistAutogradContext, skip: str | None) -> None:
-    """Release ``context`` on the workers it knows (but ``skip``) from a background task of
-    ``agent`` (PyTorch's fire-and-forget ``sendReleaseContextRpc``: nobody waits for the
-    acknowledgements; a graceful shutdown does)."""
+async def release_on(agent: RpcAgent, context: DistAutogradContext, skip: str | None) -> None:
+    """Release ``context`` on the workers it knows (but ``skip``), awaiting their acks."""
     with context.lock:
         workers = sorted(context.known_workers - {skip, agent.info.name})
-    if workers and not agent.is_shut_down:
-        agent.track(agent.loop.create_task(release_on(agent, context.context_id, workers)))
-
-
-async def release_on(agent: RpcAgent, context_id: int, workers: list[str]) -> None:
-    """Release context ``context_id`` on ``workers``, awaiting their acks (failures logged)."""
+    if not workers:
+        return
     results = await asyncio.gather(
-        *(agent.call(worker, RELEASE, (context_id,)) for worker in workers),
+        *(agent.call(worker, RELEASE, (context.context_id,)) for worker in workers),
         return_exceptions=True,
     )
     for worker, result in zip(workers, results, strict=True):
@@ -257,7 +251,7 @@ async def release_on(agent: RpcAgent, context_id: int, workers: list[str]) -> No
             logger.warning(
                 "worker %r could not release autograd context %d on worker %r: %s",
                 agent.info.name,
-                context_id,
+                context.context_id,
                 worker,
                 result,
             )
@@ -269,7 +263,7 @@ async def _release_handler(src: WorkerInfo, context_id: int) -> None:
     if context is None:  # released already (reached through another worker)
         return
     context.release()
-    release_soon(agent, context, src.name)
+    await release_on(agent, context, src.name)
 
 
 async def _rref_backward_handler(
