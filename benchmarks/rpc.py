@@ -63,6 +63,22 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def spawn_grpc_worker(script: str) -> tuple[rpc.GrpcOptions, subprocess.Popen[bytes]]:
+    """Start ``python script --worker`` as rank 1 of a two-worker grpc world on loopback;
+    return the driver's options (rank 0) and the worker process."""
+    port, token = _free_port(), secrets.token_hex(16)
+    env = dict(
+        os.environ,
+        RANK="1",
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        AIOAUTOGRAD_RPC_TOKEN=token,
+    )
+    worker = subprocess.Popen([sys.executable, script, "--worker"], env=env)
+    return rpc.GrpcOptions(master_addr="127.0.0.1", master_port=port, token=token), worker
+
+
 async def _grpc_worker() -> None:
     await rpc.init_rpc("worker1", backend="grpc")
     await rpc.shutdown()
@@ -142,18 +158,8 @@ async def _run_local(quick: bool) -> list[dict[str, Any]]:
 
 
 async def _run_grpc(quick: bool) -> list[dict[str, Any]]:
-    port, token = _free_port(), secrets.token_hex(16)
-    env = dict(
-        os.environ,
-        RANK="1",
-        WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        AIOAUTOGRAD_RPC_TOKEN=token,
-    )
-    worker = subprocess.Popen([sys.executable, __file__, "--worker"], env=env)  # noqa: ASYNC220
+    options, worker = spawn_grpc_worker(__file__)
     try:
-        options = rpc.GrpcOptions(master_addr="127.0.0.1", master_port=port, token=token)
         await rpc.init_rpc("driver", 0, 2, "grpc", options=options)
         try:
             return await _measure("grpc", quick)

@@ -25,12 +25,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import resource
-import secrets
-import socket
 import struct
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,6 +43,7 @@ import numpy as np  # noqa: E402
 import aioautograd as ag  # noqa: E402
 from aioautograd.distributed import rpc  # noqa: E402
 from aioautograd.distributed.rpc import wire  # noqa: E402
+from benchmarks.rpc import spawn_grpc_worker  # noqa: E402
 
 MB = 1 << 20
 ATTACKS = ("unauthenticated", "many_buffers", "many_kwargs", "concurrent_8mb", "busy_loop", "pool")
@@ -80,12 +77,6 @@ def noop() -> int:
 @rpc.register(name="attacks.dead")
 async def dead() -> dict[str, str]:
     return rpc.get_current_agent().dead_workers
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def _raw(address: str, data: bytes, token: str) -> str:
@@ -186,18 +177,9 @@ async def _pool() -> None:
 
 
 async def _driver(attacks: list[str]) -> int:
-    port, token = _free_port(), secrets.token_hex(16)
-    env = dict(
-        os.environ,
-        RANK="1",
-        WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        AIOAUTOGRAD_RPC_TOKEN=token,
-    )
-    worker = subprocess.Popen([sys.executable, __file__, "--worker"], env=env)  # noqa: ASYNC220
+    options, worker = spawn_grpc_worker(__file__)
+    token = options.token
     try:
-        options = rpc.GrpcOptions(master_addr="127.0.0.1", master_port=port, token=token)
         agent = await rpc.init_rpc("driver", 0, 2, "grpc", options=options)
         address = agent._addresses["worker1"]  # type: ignore[attr-defined]
         for attack in attacks:
