@@ -135,7 +135,8 @@ class FusedKernels:
             """
             long long row = i / classes;
             T w = weight[row];
-            T scale = mode == 2 ? g[row] : (mode == 1 ? g[0] : g[0] / denominator[0]);
+            T d = denominator[0] == (T)0 ? (T)1 : denominator[0];  // all weights 0: grad 0
+            T scale = mode == 2 ? g[row] : (mode == 1 ? g[0] : g[0] / d);
             T p = exp(lp) * w;
             grad = (i - row * classes == target[row] ? p - w : p) * scale;
             """,

@@ -82,7 +82,9 @@ class CrossEntropy(Op):
             losses, denominator = _probability_losses(xp, log_probs, target.data, setup)
         if ctx.needs_input_grad:
             ctx.save_for_backward(input, target, Tensor(log_probs, input.device))
-            ctx.setup, ctx.denominator = setup, denominator
+            # All positions ignored: the loss is 0/0 = NaN, but its gradient 0 (PyTorch's),
+            # not 0 * inf: divide by 1 instead, every weight being 0.
+            ctx.setup, ctx.denominator = setup, xp.where(denominator == 0, 1, denominator)
             ctx.saved_device = input.device
         if setup.reduction == "none":
             return wrap(losses, input.device)

@@ -139,10 +139,10 @@ async def test_fused_cross_entropy_matches_cpu_and_torch(
 
 async def test_fused_cross_entropy_nan_inf_and_bad_targets() -> None:
     logits = np.array(
-        [[1.0, np.nan, 0.0], [np.inf, 0.0, 1.0], [1.0, 2.0, 3.0], [-np.inf, 0.0, 1.0]],
+        [[1.0, np.nan, 0.0], [-np.inf, 0.0, 1.0], [1.0, 2.0, 3.0], [-np.inf, 0.0, 1.0]],
         np.float32,
     )
-    target = np.array([0, 1, 2, 0])
+    target = np.array([0, 1, 2, 0])  # the last row's target is -inf: an infinite loss
     got, want = [], []
     for dev, out in ((GPU, got), ("cpu", want)):
         x = ag.tensor(logits, device=dev, requires_grad=True)
@@ -157,7 +157,7 @@ async def test_fused_cross_entropy_nan_inf_and_bad_targets() -> None:
     await loss.backward()
     assert np.isnan(to_numpy(loss))
     assert np.isnan(to_numpy(x.grad)).all()
-    # Every row ignored: the mean is NaN (0/0), and the gradient the CPU's.
+    # Every row ignored: the mean is NaN (0/0), its gradient 0 (as the CPU's, and torch's).
     x = ag.tensor(logits[2:], device=GPU, requires_grad=True)
     loss = F.cross_entropy(x, ag.tensor([-100, -100], device=GPU))
     await loss.backward()
@@ -166,6 +166,7 @@ async def test_fused_cross_entropy_nan_inf_and_bad_targets() -> None:
     cpu_loss = F.cross_entropy(cpu, ag.tensor([-100, -100]))
     await cpu_loss.backward()
     np.testing.assert_array_equal(to_numpy(x.grad), to_numpy(cpu.grad))
+    np.testing.assert_array_equal(to_numpy(x.grad), np.zeros((2, 3)))
 
 
 async def test_fused_cross_entropy_double_backward_matches_cpu() -> None:
