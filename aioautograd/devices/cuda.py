@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from aioautograd.devices.cuda_kernels import FusedKernels
 from aioautograd.devices.device import Backend, Device
 from aioautograd.devices.streams import Event, Stream
 
@@ -101,6 +102,7 @@ class CudaBackend(Backend):
 
     def __init__(self) -> None:
         self.xp = _import_cupy()
+        self.fused = FusedKernels(self.xp)
 
     def check(self, index: int | None) -> None:
         count = device_count()
@@ -141,7 +143,16 @@ class CudaBackend(Backend):
             yield
             return
         assert isinstance(stream, CudaStream)
-        with self.xp.cuda.Device(stream.device.index), stream.raw:
+        cuda, index = self.xp.cuda, stream.device.index
+        if (
+            cuda.runtime.getDevice() == index
+            and cuda.get_current_stream(index).ptr == stream.raw.ptr
+        ):
+            # Already current (every node of a backward on one stream, the usual case): no
+            # switch of device and stream (four runtime calls) and back, per node.
+            yield
+            return
+        with cuda.Device(index), stream.raw:
             yield
 
 

@@ -17,6 +17,7 @@ import numpy as np
 from aioautograd.devices.cpu_budget import cpu_budget
 
 if TYPE_CHECKING:
+    from aioautograd.devices.cuda_kernels import FusedKernels
     from aioautograd.devices.streams import Stream
 
 _cache: dict[tuple[str, int | None], Device] = {}
@@ -28,6 +29,9 @@ class Backend:
 
     xp: Any = np
     has_streams = False
+    #: Fused kernels for the hot ops of a step (``cuda_kernels.py``), where the backend has
+    #: them; ops run their generic ``xp`` code when this is ``None``.
+    fused: FusedKernels | None = None
 
     def check(self, index: int | None) -> None:
         """Raise a clear error if device ``index`` cannot be used."""

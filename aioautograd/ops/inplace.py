@@ -35,10 +35,14 @@ class AddInplace(Op):
     @staticmethod
     def forward(ctx: Any, x: Tensor, other: Any, alpha: float) -> Tensor:
         other_data = other.data if isinstance(other, Tensor) else device_operand(other, x.device)
+        ctx.alpha = alpha
+        fused = x.device.backend.fused
+        if alpha != 1 and fused is not None and fused.add_scaled_(x.data, other_data, alpha):
+            ctx.mark_dirty(x)
+            return x
         if alpha != 1:
             other_data = other_data * alpha
         x.xp.add(x.data, other_data, out=x.data, casting="same_kind")
-        ctx.alpha = alpha
         ctx.mark_dirty(x)
         return x
 

@@ -56,6 +56,19 @@ class CrossEntropy(Op):
         target: Tensor,
         setup: CrossEntropySetup,
     ) -> Tensor:
+        ctx.fused_rows = None
+        fused = input.device.backend.fused
+        if fused is not None and _fusable(setup, input):
+            result = fused.cross_entropy_rows(
+                input.data, target.data, setup.ignore_index, setup.reduction
+            )
+            if result is not None:
+                loss, log_probs, row_weights, ctx.denominator = result
+                if ctx.needs_input_grad:
+                    ctx.save_for_backward(input, target, Tensor(log_probs, input.device))
+                    ctx.setup, ctx.fused_rows = setup, (target.data, row_weights)
+                    ctx.saved_device = input.device
+                return wrap(loss, input.device)
         xp = input.xp
         dim = setup.class_dim
         shifted = input.data - input.data.max(axis=dim, keepdims=True)
@@ -69,7 +82,9 @@ class CrossEntropy(Op):
             losses, denominator = _probability_losses(xp, log_probs, target.data, setup)
         if ctx.needs_input_grad:
             ctx.save_for_backward(input, target, Tensor(log_probs, input.device))
-            ctx.setup, ctx.denominator = setup, denominator
+            # All positions ignored: the loss is 0/0 = NaN, but its gradient 0 (PyTorch's),
+            # not 0 * inf: divide by 1 instead, every weight being 0.
+            ctx.setup, ctx.denominator = setup, xp.where(denominator == 0, 1, denominator)
             ctx.saved_device = input.device
         if setup.reduction == "none":
             return wrap(losses, input.device)
@@ -87,6 +102,15 @@ class CrossEntropy(Op):
         if setup.class_indices and needs[0] and not is_grad_enabled():
             # Nothing to record (a plain backward): the formula below on the arrays.
             xp, g = grad.xp, grad.data
+            if ctx.fused_rows is not None:
+                fused = ctx.saved_device.backend.fused
+                target, row_weights = ctx.fused_rows
+                log_probs = ctx.saved_arrays[2]
+                result = fused.cross_entropy_rows_backward(
+                    g, log_probs, target, row_weights, ctx.denominator, setup.reduction
+                )
+                if result is not None:
+                    return wrap(result, ctx.saved_device), None, None
             if setup.reduction == "none":
                 g = xp.expand_dims(g, dim)
             elif setup.reduction == "mean":
@@ -119,11 +143,28 @@ class CrossEntropy(Op):
         return grad_input, grad_target, None
 
 
+def _fusable(setup: CrossEntropySetup, input: Tensor) -> bool:
+    """Whether the backend's fused kernels cover this call: ``(N, C)`` logits, class
+    indices, no class weight, no label smoothing."""
+    return (
+        setup.class_indices
+        and setup.weight is None
+        and not setup.label_smoothing
+        and input.ndim == 2
+        and setup.class_dim == 1
+    )
+
+
 def _class_index_grad(ctx: Any, xp: Any, g: Any, setup: CrossEntropySetup) -> Tensor:
     """``(softmax(x) * sum_c q - q) * g`` for class-index targets, on the arrays."""
     input_data, target, log_probs = ctx.saved_arrays
     probs = xp.exp(log_probs)
-    if setup.weight is None and not setup.label_smoothing and probs.ndim == 2:
+    if (
+        setup.weight is None
+        and not setup.label_smoothing
+        and probs.ndim == 2
+        and ctx.fused_rows is None
+    ):
         # q is the one-hot of the target (zero on ignored rows): subtract it in place. No
         # branch on the data (a host sync on a GPU): ignored rows are zeroed and subtract 0.
         safe, target_weight = ctx.class_targets  # forward's

@@ -78,7 +78,9 @@ class SumToSize(Op):
         data = x.data
         lead = data.ndim - len(shape)
         if lead:
-            data = data.sum(axis=tuple(range(lead)))
+            fused = x.device.backend.fused
+            summed = fused.sum_leading(data, lead) if fused is not None else None
+            data = summed if summed is not None else data.sum(axis=tuple(range(lead)))
         axes = tuple(i for i, size in enumerate(shape) if size == 1 and data.shape[i] != 1)
         if axes:
             data = data.sum(axis=axes, keepdims=True)

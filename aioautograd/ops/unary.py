@@ -204,6 +204,9 @@ class Relu(Op):
 def _threshold_backward(grad: Tensor, out: Array) -> Tensor:
     """ReLU's derivative, written once: ``grad`` where the output is > 0, else 0 (at 0 too,
     as PyTorch). Both the plain backward and ``ThresholdBackward`` (create_graph) run it."""
+    fused = grad.device.backend.fused
+    if fused is not None:
+        return wrap(fused.threshold_backward(grad.data, out), grad.device)
     xp = grad.xp
     return wrap(keep_where(xp, xp.logical_not(out <= 0), grad.data), grad.device)
 

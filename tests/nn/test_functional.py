@@ -297,6 +297,13 @@ async def test_cross_entropy_all_ignored_mean_is_nan_like_torch(torch: Any) -> N
     total = F.cross_entropy(x, ag.tensor([-100, -100]), reduction="sum")
     await total.backward()
     np.testing.assert_array_equal(to_numpy(x.grad), np.zeros((2, 3)))
+    # The mean's gradient is 0 too (not 0 * 1/0), as torch's.
+    x.grad = None
+    await loss.backward()
+    reference = torch.tensor(randn(2, 3), requires_grad=True)
+    torch.nn.functional.cross_entropy(reference, torch.tensor([-100, -100])).backward()
+    np.testing.assert_array_equal(to_numpy(x.grad), reference.grad.numpy())
+    np.testing.assert_array_equal(to_numpy(x.grad), np.zeros((2, 3)))
 
 
 async def test_cross_entropy_first_order_path_matches_create_graph_path() -> None:

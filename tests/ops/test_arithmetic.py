@@ -280,7 +280,9 @@ async def test_numpy_array_on_the_left_defers_to_the_tensor(device: str) -> None
 
 
 @pytest.mark.parametrize(
-    ("fn", "torch_name"), [(ag.maximum, "maximum"), (ag.minimum, "minimum")], ids=str
+    ("fn", "torch_name"),
+    [(ag.maximum, "maximum"), (ag.minimum, "minimum")],
+    ids=["maximum", "minimum"],
 )
 async def test_extremum_ties_split_gradient_like_torch(
     fn: Any, torch_name: str, device: str, torch: Any
