@@ -58,9 +58,10 @@ class _LoopHold:
     """The cores an event loop's thread holds while its current callback computes (see
     ``CpuBudget.matmul``)."""
 
-    __slots__ = ("units", "until")
+    __slots__ = ("budget", "units", "until")
 
-    def __init__(self, units: int) -> None:
+    def __init__(self, budget: CpuBudget, units: int) -> None:
+        self.budget = budget
         self.units = units  # counted against the budget; 0 once released
         self.until = math.inf  # released at this time (perf_counter) unless renewed
 
@@ -239,10 +240,12 @@ class CpuBudget:
         held). Released when the loop's current callback returns (``call_soon``), or
         ``loop_hold_s`` after the thread's last product, whichever comes first."""
         hold = _thread.hold
-        if hold is not None and hold.units and hold.until <= time.perf_counter():
+        if hold is not None and hold.budget is not self:
+            hold = None  # another budget's (tests make their own)
+        elif hold is not None and hold.units and hold.until <= time.perf_counter():
             self._drop_hold(hold)  # lapsed (its loop may not have run the release)
         if hold is None or hold.units == 0:
-            hold = _thread.hold = _LoopHold(self.cores)
+            hold = _thread.hold = _LoopHold(self, self.cores)
             self._holds.append(hold)
             self._count(hold.units)
             loop.call_soon(self._release_hold, hold)

@@ -310,3 +310,16 @@ def test_products_off_a_loop_take_no_hold() -> None:
     a = np.random.default_rng(6).standard_normal((256, 512))
     budget.matmul(a, a.T)
     assert budget.active == 0
+
+
+@pytest.mark.timeout(30)
+async def test_each_budget_counts_its_own_hold() -> None:
+    a = np.random.default_rng(8).standard_normal((256, 512))
+    first = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    second = CpuBudget(cores=3, min_split_flops=0.0, manage_blas=False)
+    for budget in (first, second):
+        budget.loop_hold_s = 10.0
+        budget.matmul(a, a.T)
+    assert (first.active, second.active) == (2, 3)
+    await asyncio.sleep(0)
+    assert (first.active, second.active) == (0, 0)
