@@ -20,12 +20,15 @@ between steps runs as it always did.
 
 Who counts: engine workers while they run nodes (``enter``/``leave``, called by the
 executor per run of nodes), helper threads while they run a part of a product, and any other
-thread (the event loop's, a user's) for the duration of a large product it runs.
+thread (a user's) for the duration of a large product it runs. An event loop's thread that
+runs a large product holds every core until its callback returns to the loop (see
+``CpuBudget.matmul``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import queue
 import sys
@@ -48,6 +51,19 @@ def usable_cores() -> int:
 
 class _ThreadState(threading.local):
     counted: bool = False  # this thread already counts against the budget (a busy worker)
+    hold: _LoopHold | None = None  # an event loop's thread: its current hold on the cores
+
+
+class _LoopHold:
+    """The cores an event loop's thread holds while its current callback computes (see
+    ``CpuBudget.matmul``)."""
+
+    __slots__ = ("budget", "units", "until")
+
+    def __init__(self, budget: CpuBudget, units: int) -> None:
+        self.budget = budget
+        self.units = units  # counted against the budget; 0 once released
+        self.until = math.inf  # released at this time (perf_counter) unless renewed
 
 
 _thread = _ThreadState()
@@ -139,6 +155,8 @@ class CpuBudget:
         self.split_backoffs = 0  # times splitting paused because helpers were starved
         self.sliced_products = 0  # products run in sequential slices (observability)
         self.slice_flops = 1.0e8
+        self.loop_hold_s = 0.0  # see EnginePolicy.loop_hold_s
+        self._holds: list[_LoopHold] = []
         self._no_split_until = 0.0
         self._starved = 0  # split products in a row whose helpers were late
         self._blas = _BlasThreads() if manage_blas else None
@@ -194,6 +212,8 @@ class CpuBudget:
         if not _thread.counted:
             return
         with self._lock:
+            if self._holds:
+                self._expire_holds()
             if self.active <= self.cores:
                 return
             self._count(-1)
@@ -201,15 +221,62 @@ class CpuBudget:
             self._count(1)
 
     def _wait_for_room(self) -> None:
-        # Called with the lock held.
+        # Called with the lock held. An event loop's hold that lapses frees room without a
+        # notification: waiters then wake on their own to release it.
         if self.active < self.cores:
             return
         self._waiting += 1
         try:
-            while self.active >= self.cores:
-                self._slot_free.wait()
+            while True:
+                timeout = self._expire_holds() if self._holds else None
+                if self.active < self.cores:
+                    return
+                self._slot_free.wait(timeout)
         finally:
             self._waiting -= 1
+
+    def _take_hold(self, loop: Any) -> _LoopHold:
+        """The calling event loop thread's hold on every core, taken if it has none (lock
+        held). Released when the loop's current callback returns (``call_soon``), or
+        ``loop_hold_s`` after the thread's last product, whichever comes first."""
+        hold = _thread.hold
+        if hold is not None and hold.budget is not self:
+            hold = None  # another budget's (tests make their own)
+        elif hold is not None and hold.units and hold.until <= time.perf_counter():
+            self._drop_hold(hold)  # lapsed (its loop may not have run the release)
+        if hold is None or hold.units == 0:
+            hold = _thread.hold = _LoopHold(self, self.cores)
+            self._holds.append(hold)
+            self._count(hold.units)
+            loop.call_soon(self._release_hold, hold)
+        hold.until = math.inf  # not while it computes
+        return hold
+
+    def _release_hold(self, hold: _LoopHold) -> None:
+        with self._lock:
+            self._drop_hold(hold)
+
+    def _drop_hold(self, hold: _LoopHold) -> None:
+        # Called with the lock held.
+        if hold.units:
+            units, hold.units = hold.units, 0
+            self._holds.remove(hold)
+            self._count(-units)
+            if self._waiting:
+                self._slot_free.notify_all()
+
+    def _expire_holds(self) -> float | None:
+        """Release the holds whose time is up (lock held); return how long until the next
+        one may be (``loop_hold_s`` for a hold whose thread is computing)."""
+        now = time.perf_counter()
+        timeout: float | None = None
+        for hold in list(self._holds):
+            if hold.until <= now:
+                self._drop_hold(hold)
+            else:
+                left = min(hold.until - now, max(self.loop_hold_s, 1e-4))
+                timeout = left if timeout is None else min(timeout, left)
+        return timeout
 
     def _count(self, delta: int) -> None:
         # Called with the lock held. BLAS goes to one thread when the first thread starts
@@ -237,7 +304,11 @@ class CpuBudget:
         aligned to ``CHUNK_ALIGN``, so every element is computed by the same kernel in the
         same order), which keeps gradients reproducible whatever the load. A product on an
         event loop's thread is urgent (every coroutine of that loop waits for it): it takes
-        every core, and the engine's workers yield theirs at their next node boundary.
+        every core, and the engine's workers yield theirs at their next node boundary or
+        product slice. A large one holds them until the loop's current callback returns
+        (a forward pass in a coroutine is several products with short gaps between them:
+        without the hold the workers came back for each gap and the next product waited
+        for them to leave again), or ``loop_hold_s`` after the thread's last product.
         """
         if a.dtype.kind not in "fc" or b.dtype.kind not in "fc" or a.ndim == 0 or b.ndim == 0:
             return np.matmul(a, b)
@@ -252,25 +323,37 @@ class CpuBudget:
             and time.perf_counter() >= self._no_split_until
         ):
             split_size = max(a.shape[-2], b.shape[1])
+        splittable = split_size >= 2 * CHUNK_ALIGN and flops >= 4 * MIN_CHUNK_MACS
         counted = _thread.counted
         if counted:
             self.yield_point()
+            if splittable and self.active > self.cores:
+                self.wait_for_core()
+        loop = None if counted else _get_running_loop()
         with self._lock:
-            if not counted:
+            if self._holds and loop is None:
+                self._expire_holds()
+            hold = None
+            if loop is not None and splittable and self.loop_hold_s > 0:
+                hold = self._take_hold(loop)
+            elif not counted:
                 self._count(1)
             helpers: list[_Helper] = []
             blas_threads = 0  # >0: BLAS's own threads run this product ("blas" intra-op)
-            if split_size >= 2 * CHUNK_ALIGN and flops >= 4 * MIN_CHUNK_MACS:
-                urgent = _get_running_loop() is not None
-                free = self.cores - 1 if urgent else self.cores - self.active
+            extra = 0  # cores counted for this product's other threads
+            if splittable:
+                free = self.cores - 1 if loop is not None else self.cores - self.active
                 wanted = min(free, split_size // CHUNK_ALIGN - 1)
                 if wanted > 0 and self.intra_op == "blas" and self._blas is not None:
                     blas_threads = wanted + 1
-                    self._count(wanted)  # the cores BLAS's threads take
+                    extra = wanted  # the cores BLAS's threads take
                     self._blas.set(blas_threads)
                 elif wanted > 0:
                     helpers = self._take_helpers(wanted)
-                    self._count(len(helpers))
+                    extra = len(helpers)
+                if hold is not None:
+                    extra = 0  # within the hold
+                self._count(extra)
         try:
             if helpers:
                 return self._split(a, b, helpers)
@@ -281,7 +364,9 @@ class CpuBudget:
             with self._lock:
                 if blas_threads and self._blas is not None:
                     self._blas.set(1)
-                self._count(-(len(helpers) + max(0, blas_threads - 1) + (0 if counted else 1)))
+                if hold is not None:
+                    hold.until = time.perf_counter() + self.loop_hold_s
+                self._count(-(extra + (0 if counted or hold is not None else 1)))
                 self._idle_helpers.extend(helpers)
 
     def _split(
@@ -316,11 +401,16 @@ class CpuBudget:
         between them: while every core computes, one BLAS call of several milliseconds
         would keep the event loop's thread waiting for a core that long (the kernel lets the
         running thread finish its time slice, about 2.5 ms measured)."""
-        job = _SplitProduct(a, b, slices, between=self.yield_point)
+        job = _SplitProduct(a, b, slices, between=self._between_slices)
         job.run_chunks()
         job.wait()
         self.sliced_products += 1
         return job.out
+
+    def _between_slices(self) -> None:
+        self.yield_point()
+        if self.active > self.cores:  # an event loop's thread wants the core: let it in
+            self.wait_for_core()
 
     def _take_helpers(self, count: int) -> list[_Helper]:
         # Called with the lock held.
@@ -486,6 +576,7 @@ def configure(policy: Any, only_if_unset: bool = False) -> CpuBudget:
         budget.min_counted_flops = policy.blas_min_flops
         budget.intra_op = policy.intra_op
         budget.slice_flops = policy.product_slice_flops
+        budget.loop_hold_s = policy.loop_hold_s
         if policy.manage_blas_threads and budget._blas is None:
             budget._blas = _BlasThreads()
             budget._user_blas_threads = budget._blas.get()

@@ -55,6 +55,13 @@ class EnginePolicy:
             core), with a pause check between them: the kernel let a worker's 2-3 ms BLAS
             call finish its time slice before the event loop's thread got the core
             (``concurrent``, offload step: heartbeat p99 2.6 ms whatever ``gil_hold_s``).
+        loop_hold_s: an event loop's thread that runs a large product (a forward pass in a
+            coroutine) holds every core until its current callback returns to the loop, or
+            for at most this long after its last product: the engine's workers give up
+            theirs at their next node or product slice, and stay off the cores between the
+            forward pass's products instead of coming back for each gap between them
+            (``concurrent``, natural code: forward passes on the loop took 4-8 ms instead of
+            ~2.5 while workers kept coming back). 0: only each product is urgent.
         worker_nice: CPU workers run this much below the process's priority (Linux). 0 by
             default: at +10 the workers lost most of their CPU to any other busy process
             (the aiohttp app under wrk load trained at 5 steps/s instead of 21), while the
@@ -90,6 +97,7 @@ class EnginePolicy:
     intra_op_min_flops: float = 3.0e7
     blas_min_flops: float = 524_288.0
     product_slice_flops: float = 1.0e8
+    loop_hold_s: float = 0.001
     worker_nice: int = 0
     inline_budget_s: float = 0.0005
     inline_max_nodes: int = 256

@@ -251,3 +251,75 @@ def test_a_counted_thread_computes_a_large_product_in_slices_with_yield_points()
     assert budget.sliced_products == 1
     assert budget.split_products == 0
     assert len(yields) >= 2  # before the product, and between slices
+
+
+def _start_worker(budget: CpuBudget, events: list[str]) -> threading.Thread:
+    """A thread that waits for a core (as an engine worker does), then records it."""
+
+    def worker() -> None:
+        budget.enter()
+        events.append("entered")
+        budget.leave()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(30)
+async def test_an_event_loop_holds_the_cores_until_its_callback_returns() -> None:
+    budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    budget.loop_hold_s = 10.0  # only the end of the callback releases the hold here
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((256, 512))
+    events: list[str] = []
+    out = budget.matmul(a, a.T)  # a forward pass's product, on the loop's thread
+    assert np.array_equal(out, np.matmul(a, a.T))
+    assert budget.active == 2  # held between the forward pass's products
+    thread = _start_worker(budget, events)
+    thread.join(0.05)  # blocks the loop: still in this callback, the worker waits
+    assert events == []
+    assert np.array_equal(budget.matmul(a, a.T), out)  # the same hold goes on
+    assert budget.active == 2
+    await asyncio.sleep(0)  # the callback returns to the loop: the hold ends
+    thread.join(5)
+    assert events == ["entered"]
+    assert budget.active == 0
+
+
+@pytest.mark.timeout(30)
+async def test_a_loop_that_blocks_after_its_products_loses_the_hold() -> None:
+    budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    budget.loop_hold_s = 0.005
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((256, 512))
+    events: list[str] = []
+    budget.matmul(a, a.T)
+    thread = _start_worker(budget, events)
+    thread.join(5)  # the loop's thread blocks here, without any product: the hold lapses
+    assert events == ["entered"]
+    assert budget.active == 0
+    await asyncio.sleep(0)  # the release scheduled on the loop finds nothing to release
+    assert budget.active == 0
+
+
+@pytest.mark.timeout(30)
+def test_products_off_a_loop_take_no_hold() -> None:
+    budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    budget.loop_hold_s = 10.0
+    a = np.random.default_rng(6).standard_normal((256, 512))
+    budget.matmul(a, a.T)
+    assert budget.active == 0
+
+
+@pytest.mark.timeout(30)
+async def test_each_budget_counts_its_own_hold() -> None:
+    a = np.random.default_rng(8).standard_normal((256, 512))
+    first = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    second = CpuBudget(cores=3, min_split_flops=0.0, manage_blas=False)
+    for budget in (first, second):
+        budget.loop_hold_s = 10.0
+        budget.matmul(a, a.T)
+    assert (first.active, second.active) == (2, 3)
+    await asyncio.sleep(0)
+    assert (first.active, second.active) == (0, 0)
