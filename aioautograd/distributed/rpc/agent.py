@@ -503,16 +503,18 @@ class RpcAgent(ABC):
         return RRef._make(self, dst, rref_id, state=state, creation=creation)
 
     # ---------------------------------------------------------------------- callee side
-    async def serve(self, message: wire.Message) -> wire.Message:
+    async def serve(self, message: wire.Message, header: wire.Header | None = None) -> wire.Message:
         """Run one received request and return the response to send back.
 
-        Transports call this in a task of its own. Errors of the function, of the arguments'
+        Transports call this in a task of its own; one that decoded the header already (to
+        check the sender) passes it as ``header``. Errors of the function, of the arguments'
         decoding and refusals become error responses.
 
         Raises:
             MalformedMessageError: when the header itself is unusable (no call to answer).
         """
-        header = wire.decode_header(message)
+        if header is None:
+            header = wire.decode_header(message)
         if header.kind != wire.REQUEST or header.function is None:
             raise MalformedMessageError("malformed message: expected a request")
         task = asyncio.current_task()
