@@ -143,6 +143,11 @@ class RpcAgent(ABC):
     async def _stop(self) -> None:
         """Stop serving and release the transport."""
 
+    def _fail_calls_to(self, name: str, reason: str) -> None:
+        """Fail the calls in flight to worker ``name``, just marked dead, that the transport
+        runs outside :meth:`_exchange`'s task (none by default)."""
+        return None
+
     # ------------------------------------------------------------------------ life cycle
     async def start(self) -> None:
         """Start the transport and wait for every worker (``init_rpc`` calls this)."""
@@ -180,6 +185,7 @@ class RpcAgent(ABC):
         logger.log(level, "RPC worker %r marks worker %r dead: %s", self.info.name, name, reason)
         for task in self._inflight.get(name, ()):
             task.cancel()
+        self._fail_calls_to(name, reason)
         self._barrier_changed.set()
         worker = self._workers.get(name)
         if worker is not None:

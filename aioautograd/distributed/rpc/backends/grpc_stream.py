@@ -118,6 +118,16 @@ class OutgoingStream:
             raise self._agent.status_error(code, details, self.peer)
         return wire.Message.from_bytes(memoryview(data)[FRAME.size :])
 
+    def fail_pending(self, error: Callable[[], Exception]) -> None:
+        """Fail the calls waiting on this stream (their peer was marked dead); the stream
+        stays open for later calls, should the peer speak again."""
+        pending = list(self._pending.items())
+        self._pending.clear()
+        for call_id, future in pending:
+            if not future.done():
+                future.set_exception(error())
+                self._send(FRAME.pack(CANCEL, call_id))
+
     def _send(self, frame: bytes | None) -> None:
         self._queue.append(frame)
         wakeup = self._wakeup
