@@ -151,6 +151,11 @@ class OutgoingStream:
             self._fail(functools.partial(self._agent.map_grpc_error, exc, self.peer))
         except asyncio.InvalidStateError:  # the call ended: the reader reports why
             pass
+        except asyncio.CancelledError:
+            if self._call_cancelled():
+                self._fail(self._cancelled_error)
+                return
+            raise
 
     async def _read(self) -> None:
         call, pending, peer = self._call, self._pending, self.peer
@@ -172,7 +177,21 @@ class OutgoingStream:
         except MalformedMessageError as exc:
             self._fail(functools.partial(MalformedMessageError, str(exc)))
             return
+        except asyncio.CancelledError:
+            if self._call_cancelled():
+                self._fail(self._cancelled_error)
+                return
+            raise
         self._fail(lambda: WorkerUnavailableError(f"worker {peer!r} closed the call stream"))
+
+    def _call_cancelled(self) -> bool:
+        # grpc.aio raises CancelledError from a read or write of a call cancelled under it
+        # (by gRPC itself, or a closed channel): that is a broken stream, not our task's end.
+        task = asyncio.current_task()
+        return not self._closed and task is not None and not task.cancelling()
+
+    def _cancelled_error(self) -> Exception:
+        return WorkerUnavailableError(f"the call stream to worker {self.peer!r} was cancelled")
 
     def _fail(self, error: Callable[[], Exception]) -> None:
         if self._closed:
