@@ -218,3 +218,41 @@ async def test_a_stream_binds_its_sender_identity(tmp_path: Path) -> None:
         assert await world.close() == {"worker1": 0, "worker2": 0}
     finally:
         world.kill_all()
+
+
+async def test_a_peer_that_does_not_read_holds_at_most_the_served_calls(tmp_path: Path) -> None:
+    world = await start_world(
+        "grpc", tmp_path, n_workers=1, grpc_options={"max_concurrent_calls": 2}
+    )
+    try:
+        assert world.token is not None
+        metadata = (("aioautograd-token", world.token),)
+        # 16 MB results, far over a stream's flow-control window: never read, never written.
+        frames = [_request(i, "driver", remote_fns.make_tensor, [4 * MB]) for i in range(20)]
+        options = [("grpc.max_receive_message_length", -1)]
+        async with grpc.aio.insecure_channel(world.address("worker1"), options=options) as channel:
+            call = channel.stream_stream(STREAM)(metadata=metadata, timeout=60)
+            for frame in frames:
+                await call.write(frame)
+            refused = None
+            for _ in range(100):  # the worker serves 2 calls, both stuck behind the non-reader
+                try:
+                    await rpc.rpc_async("worker1", remote_fns.add, args=(1, 2))
+                except rpc.RpcLimitError as exc:
+                    refused = exc
+                    break
+                await asyncio.sleep(0.05)
+            assert refused is not None
+            assert "max_concurrent_calls=2" in str(refused)
+            call.cancel()
+        for _ in range(100):  # the peer is gone: its calls no longer count
+            try:
+                assert await rpc.rpc_async("worker1", remote_fns.add, args=(1, 2)) == 3
+                break
+            except rpc.RpcLimitError:
+                await asyncio.sleep(0.05)
+        else:
+            pytest.fail("the calls of a peer that went away still count")
+        assert await world.close() == {"worker1": 0}
+    finally:
+        world.kill_all()

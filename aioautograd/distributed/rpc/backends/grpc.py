@@ -652,6 +652,10 @@ class GrpcAgent(RpcAgent):
             reason = self._dead.get(dst.name)  # it died while this call waited for room
             if reason is not None:
                 raise WorkerUnavailableError(f"worker {dst.name!r} is dead ({reason})")
+            if self._stopped:  # _stop has closed the streams and channels
+                raise WorkerUnavailableError(
+                    f"call to worker {dst.name!r} failed: worker {self.info.name!r} shut down"
+                )
             stream = self._streams.get(dst.name)
             if stream is None:
                 stream = self._open_stream(dst.name)

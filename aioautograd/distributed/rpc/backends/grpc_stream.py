@@ -220,15 +220,25 @@ class OutgoingStream:
 
 
 class IncomingStream:
-    """The server side of a stream a peer opened: runs its requests, sends the responses."""
+    """The server side of a stream a peer opened: runs its requests, sends the responses.
+
+    A request counts towards ``max_concurrent_calls`` until its response is written, not
+    merely computed: a peer that stops reading its responses stops being served, instead of
+    piling them up here (the unary calls' flow control did the same per call).
+    """
+
+    # Refusals (frames that count towards no call) that may wait for a peer not reading.
+    _MAX_UNCOUNTED = 1024
 
     def __init__(self, agent: GrpcAgent, context: Any, caller: str | None) -> None:
         self._agent = agent
         self._context = context
         self._caller = caller
         self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._queue: collections.deque[bytes] = collections.deque()
+        # (frame, counted): counted frames are responses still counted in served_now.
+        self._queue: collections.deque[tuple[bytes, bool]] = collections.deque()
         self._wakeup: asyncio.Future[None] | None = None
+        self._ended = False
 
     async def run(self) -> None:
         """Serve until the peer stops writing or the stream breaks."""
@@ -244,9 +254,13 @@ class IncomingStream:
                     writer.cancel()
                     await agent._abort(context, *refusal)
         finally:
+            self._ended = True
             writer.cancel()
             for task in list(self._tasks.values()):
                 task.cancel()  # the caller can no longer receive their responses
+            while self._queue:
+                if self._queue.popleft()[1]:
+                    agent.served_now -= 1
 
     def _dispatch(self, data: bytes) -> tuple[Any, str] | None:
         # Returns (code, details) when the whole stream must be refused.
@@ -264,6 +278,11 @@ class IncomingStream:
         if call_id in self._tasks:
             return grpc.StatusCode.INVALID_ARGUMENT, f"call id {call_id} is already in use"
         limit = agent.options.max_concurrent_calls
+        if len(self._queue) > limit + self._MAX_UNCOUNTED:
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                f"worker {agent.info.name!r} has {len(self._queue)} responses waiting for "
+                "this peer to read them"
+            )
         if agent.served_now >= limit:
             self._send(
                 status_frame(
@@ -313,27 +332,36 @@ class IncomingStream:
                 frame = response.to_bytes(lead=FRAME.pack(RESPONSE, call_id))
         except MalformedMessageError as exc:
             frame = status_frame(call_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except asyncio.CancelledError:
-            return  # cancelled by the caller, or the stream ended: nobody waits for it
         except RpcError as exc:  # serve() turns errors into responses; this is a safety net
             frame = status_frame(call_id, grpc.StatusCode.INTERNAL, str(exc))
-        finally:
+        except BaseException:  # cancelled by the caller, or the stream ended: nobody waits
             agent.served_now -= 1
+            raise
+        finally:
             self._tasks.pop(call_id, None)
-        self._send(frame)
+        self._send(frame, counted=True)  # counted until written
 
-    def _send(self, frame: bytes) -> None:
-        self._queue.append(frame)
+    def _send(self, frame: bytes, counted: bool = False) -> None:
+        if self._ended:  # nobody to write to any more
+            if counted:
+                self._agent.served_now -= 1
+            return
+        self._queue.append((frame, counted))
         wakeup = self._wakeup
         if wakeup is not None and not wakeup.done():
             wakeup.set_result(None)
 
     async def _write(self) -> None:
-        context, queue, loop = self._context, self._queue, self._agent.loop
+        agent, context, queue, loop = self._agent, self._context, self._queue, self._agent.loop
         with contextlib.suppress(Exception):  # the stream broke: run() sees it and ends
             while True:
                 while queue:
-                    await context.write(queue.popleft())
+                    frame, counted = queue.popleft()
+                    try:
+                        await context.write(frame)
+                    finally:
+                        if counted:
+                            agent.served_now -= 1
                 self._wakeup = loop.create_future()
                 await self._wakeup
                 self._wakeup = None
