@@ -103,6 +103,8 @@ class OutgoingStream:
         Raises:
             RpcError: the mapped gRPC status when the call or the whole stream failed.
         """
+        if self._closed:
+            raise self._cancelled_error()
         call_id = next(self._ids)
         future: asyncio.Future[bytes] = self._agent.loop.create_future()
         self._pending[call_id] = future
@@ -156,6 +158,8 @@ class OutgoingStream:
                 self._fail(self._cancelled_error)
                 return
             raise
+        except Exception as exc:  # anything else gRPC raises: never leave calls waiting
+            self._fail(functools.partial(self._broken_error, exc))
 
     async def _read(self) -> None:
         call, pending, peer = self._call, self._pending, self.peer
@@ -182,6 +186,9 @@ class OutgoingStream:
                 self._fail(self._cancelled_error)
                 return
             raise
+        except Exception as exc:
+            self._fail(functools.partial(self._broken_error, exc))
+            return
         self._fail(lambda: WorkerUnavailableError(f"worker {peer!r} closed the call stream"))
 
     def _call_cancelled(self) -> bool:
@@ -192,6 +199,11 @@ class OutgoingStream:
 
     def _cancelled_error(self) -> Exception:
         return WorkerUnavailableError(f"the call stream to worker {self.peer!r} was cancelled")
+
+    def _broken_error(self, exc: Exception) -> Exception:
+        return WorkerUnavailableError(
+            f"the call stream to worker {self.peer!r} broke: {type(exc).__name__}: {exc}"
+        )
 
     def _fail(self, error: Callable[[], Exception]) -> None:
         if self._closed:
@@ -212,8 +224,7 @@ class OutgoingStream:
         """Finish writing, let the peer end the stream (bounded), then drop it."""
         if not self._closed:
             self._send(None)
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(self._reader), _CLOSE_GRACE_S)
+            await asyncio.wait({self._reader}, timeout=_CLOSE_GRACE_S)  # our cancellation only
         peer = self.peer
         self._fail(lambda: WorkerUnavailableError(f"the call stream to worker {peer!r} closed"))
         await asyncio.gather(self._writer, self._reader, return_exceptions=True)
