@@ -262,11 +262,10 @@ class IncomingStream:
                     return
                 refusal = self._dispatch(data)
                 if refusal is not None:
-                    writer.cancel()
+                    await self._stop_writer(writer)
                     await agent._abort(context, *refusal)
         finally:
-            self._ended = True
-            writer.cancel()
+            await self._stop_writer(writer)
             for task in list(self._tasks.values()):
                 task.cancel()  # the caller can no longer receive their responses
             while self._queue:
@@ -358,6 +357,19 @@ class IncomingStream:
                 self._agent.served_now -= 1
             return
         self._queue.append((frame, counted))
+        self._wake_writer()
+
+    async def _stop_writer(self, writer: asyncio.Task[None]) -> None:
+        # A write cut short by a cancellation can leave gRPC's call unable to send its
+        # status (the stream then hangs until its deadline): the writer stops after the
+        # write in progress, and is cancelled only if that write does not finish.
+        self._ended = True
+        self._wake_writer()
+        if not writer.done():
+            await asyncio.wait({writer}, timeout=_CLOSE_GRACE_S)
+        writer.cancel()
+
+    def _wake_writer(self) -> None:
         wakeup = self._wakeup
         if wakeup is not None and not wakeup.done():
             wakeup.set_result(None)
@@ -366,13 +378,15 @@ class IncomingStream:
         agent, context, queue, loop = self._agent, self._context, self._queue, self._agent.loop
         with contextlib.suppress(Exception):  # the stream broke: run() sees it and ends
             while True:
-                while queue:
+                while queue and not self._ended:
                     frame, counted = queue.popleft()
                     try:
                         await context.write(frame)
                     finally:
                         if counted:
                             agent.served_now -= 1
+                if self._ended:
+                    return
                 self._wakeup = loop.create_future()
                 await self._wakeup
                 self._wakeup = None
