@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/rpc_attacks.py            # every attack (needs ~4 GB of free memory)
     python benchmarks/rpc_attacks.py --only busy_loop,pool
+    python benchmarks/rpc_attacks.py --raw call   # the raw attacks on the unary Call method
 
 A driver (rank 0, this process) and ``worker1`` (a second process) form a world; each attack
 prints one JSON line with what it measured:
@@ -12,6 +13,9 @@ prints one JSON line with what it measured:
   peak memory (MB) before and after, and what the callers got;
 - ``many_buffers`` / ``many_kwargs``: one 8 MB message (with the token) that declares 1M
   empty arrays / 1M keyword arguments; the answer and the worker's memory;
+
+  these three send raw bytes: as one frame on a ``Stream`` (the path the workers' calls take,
+  ``--raw stream``, the default) or as a unary ``Call`` (``--raw call``);
 - ``concurrent_8mb``: 2,000 concurrent calls with an 8 MB tensor each; whether all finish,
   the time, the driver's peak bytes in flight and both processes' peak memory;
 - ``busy_loop``: a 7 s synchronous step on the driver's loop (default heartbeats: 1 s, dead
@@ -43,6 +47,7 @@ import numpy as np  # noqa: E402
 import aioautograd as ag  # noqa: E402
 from aioautograd.distributed import rpc  # noqa: E402
 from aioautograd.distributed.rpc import wire  # noqa: E402
+from aioautograd.distributed.rpc.backends.grpc_stream import FRAME, REQUEST, parse_status  # noqa: E402
 from benchmarks.rpc import spawn_grpc_worker  # noqa: E402
 
 MB = 1 << 20
@@ -79,13 +84,31 @@ async def dead() -> dict[str, str]:
     return rpc.get_current_agent().dead_workers
 
 
+RAW = "stream"  # or "call" (--raw)
+
+
 async def _raw(address: str, data: bytes, token: str) -> str:
     options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    metadata = (("aioautograd-token", token),)
     async with grpc.aio.insecure_channel(address, options=options) as channel:
         try:
-            response = await channel.unary_unary("/aioautograd.rpc.Agent/Call")(
-                data, metadata=(("aioautograd-token", token),), timeout=120
-            )
+            if RAW == "call":
+                response = await channel.unary_unary("/aioautograd.rpc.Agent/Call")(
+                    data, metadata=metadata, timeout=120
+                )
+            else:
+                call = channel.stream_stream("/aioautograd.rpc.Agent/Stream")(
+                    metadata=metadata, timeout=120
+                )
+                await call.write(FRAME.pack(REQUEST, 1) + data)
+                frame = await call.read()
+                await call.done_writing()
+                if frame is grpc.aio.EOF:
+                    return f"stream ended: {(await call.code()).name}"
+                if frame[0] != 1:
+                    code, details = parse_status(frame)
+                    return f"{code.name} frame: {details[:120]}"
+                response = memoryview(frame)[FRAME.size :]
         except grpc.aio.AioRpcError as exc:
             return f"{exc.code().name}: {(exc.details() or '')[:120]}"
     header = wire.decode_header(wire.Message.from_bytes(response))
@@ -95,7 +118,7 @@ async def _raw(address: str, data: bytes, token: str) -> str:
 
 
 def _emit(name: str, **fields: Any) -> None:
-    print(json.dumps({"attack": name, **fields}), flush=True)
+    print(json.dumps({"attack": name, "raw": RAW, **fields}), flush=True)
 
 
 async def _unauthenticated(address: str, token: str) -> None:
@@ -212,8 +235,13 @@ async def _worker() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(ATTACKS), help="attacks to run, by name")
+    parser.add_argument(
+        "--raw", choices=("stream", "call"), default="stream", help="how raw bytes travel"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    global RAW
+    RAW = args.raw
     if args.worker:
         asyncio.run(_worker())
         return 0

@@ -143,6 +143,11 @@ class RpcAgent(ABC):
     async def _stop(self) -> None:
         """Stop serving and release the transport."""
 
+    def _fail_calls_to(self, name: str, reason: str) -> None:
+        """Fail the calls in flight to worker ``name``, just marked dead, that the transport
+        runs outside :meth:`_exchange`'s task (none by default)."""
+        return None
+
     # ------------------------------------------------------------------------ life cycle
     async def start(self) -> None:
         """Start the transport and wait for every worker (``init_rpc`` calls this)."""
@@ -180,6 +185,7 @@ class RpcAgent(ABC):
         logger.log(level, "RPC worker %r marks worker %r dead: %s", self.info.name, name, reason)
         for task in self._inflight.get(name, ()):
             task.cancel()
+        self._fail_calls_to(name, reason)
         self._barrier_changed.set()
         worker = self._workers.get(name)
         if worker is not None:
@@ -503,16 +509,18 @@ class RpcAgent(ABC):
         return RRef._make(self, dst, rref_id, state=state, creation=creation)
 
     # ---------------------------------------------------------------------- callee side
-    async def serve(self, message: wire.Message) -> wire.Message:
+    async def serve(self, message: wire.Message, header: wire.Header | None = None) -> wire.Message:
         """Run one received request and return the response to send back.
 
-        Transports call this in a task of its own. Errors of the function, of the arguments'
+        Transports call this in a task of its own; one that decoded the header already (to
+        check the sender) passes it as ``header``. Errors of the function, of the arguments'
         decoding and refusals become error responses.
 
         Raises:
             MalformedMessageError: when the header itself is unusable (no call to answer).
         """
-        header = wire.decode_header(message)
+        if header is None:
+            header = wire.decode_header(message)
         if header.kind != wire.REQUEST or header.function is None:
             raise MalformedMessageError("malformed message: expected a request")
         task = asyncio.current_task()

@@ -138,8 +138,9 @@ class GrpcOptions(RpcBackendOptions):
         max_inflight_bytes: Bytes of requests this worker may have in flight at once; further
             calls wait (within their timeout) until earlier ones finish.
         max_inflight_calls: Calls this worker may have in flight at once; further calls wait.
-        max_concurrent_calls: Calls this worker serves at once; beyond it, callers get an
-            :class:`RpcLimitError` ("overloaded") and the worker keeps serving the others.
+        max_concurrent_calls: Calls this worker serves at once (a call counts until its
+            response is sent); beyond it, callers get an :class:`RpcLimitError`
+            ("overloaded") and the worker keeps serving the others.
         identity: ``"shared"`` (default): every worker carries the shared token, and any
             holder of it may speak as any worker. ``"token"``: each worker carries its own
             token, ``HMAC-SHA256(shared token, worker name)``, and a request is refused unless

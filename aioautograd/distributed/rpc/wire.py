@@ -129,11 +129,14 @@ class Message:
             + sum(memoryview(buffer).nbytes for buffer in self.buffers)
         )
 
-    def to_bytes(self) -> bytes:
-        """The framed form (one copy of every buffer), for byte-stream transports."""
+    def to_bytes(self, lead: bytes = b"") -> bytes:
+        """The framed form (one copy of every buffer), for byte-stream transports.
+
+        ``lead`` goes before it in the same copy (a transport's own frame prefix).
+        """
         lengths = b"".join(_LENGTH.pack(memoryview(b).nbytes) for b in self.buffers)
         prefix = _PREFIX.pack(MAGIC, len(self.header), len(self.buffers))
-        return b"".join([prefix, lengths, self.header, *self.buffers])
+        return b"".join([lead, prefix, lengths, self.header, *self.buffers])
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> Message:

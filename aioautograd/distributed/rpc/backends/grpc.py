@@ -1,13 +1,17 @@
 """The ``grpc`` backend: ``grpc.aio`` between processes and machines.
 
-One generic service (bytes in, bytes out; no protoc) with three unary methods:
+One generic service (bytes in, bytes out; no protoc):
 
 - ``Join``: served by rank 0 only. Every other worker starts its own server, then sends its
   name, rank and address; rank 0 answers all of them with the full directory once the world
   is complete (or refuses duplicates and mismatched world sizes).
-- ``Call``: one framed :class:`~aioautograd.distributed.rpc.wire.Message` in, the response
-  out. The caller's deadline travels with the call, and cancelling the caller cancels the
-  handler on the callee.
+- ``Stream``: the calls. Each worker opens one long-lived bidirectional stream to each peer
+  it calls and sends its requests on it; the peer answers on the same stream, matched by id
+  (:mod:`.grpc_stream`). Cancelling a caller (or its timeout) cancels the handler on the
+  callee; a broken stream fails its pending calls and the next call opens a new one.
+- ``Call``: the same request as a unary call, one framed
+  :class:`~aioautograd.distributed.rpc.wire.Message` in, the response out (for tools; the
+  workers themselves use ``Stream``).
 - ``Heartbeat``: an empty ping, served and sent by a thread of each worker (a second, tiny
   synchronous gRPC server whose address travels in the directory), so that a worker whose
   event loop is busy for a while (a long synchronous step) still answers and still pings.
@@ -20,15 +24,16 @@ One generic service (bytes in, bytes out; no protoc) with three unary methods:
   this way fails its graceful ``shutdown`` (so its process exits non-zero).
 
 Credentials are checked before a request body is read: a server interceptor looks at the
-call metadata (``aioautograd-token``, compared in constant time; with ``identity="token"``
-also ``aioautograd-worker``, the name the token belongs to) and refuses a call without valid
-credentials with ``UNAUTHENTICATED`` without reading its message. With ``identity="token"``
-or ``"tls"`` (mutual TLS, each worker's certificate naming it), a request whose sender or a
-join whose name is not the authenticated worker is refused with ``PERMISSION_DENIED``.
-Messages are bounded by ``max_message_size`` on both sides (gRPC refuses a larger one from
-its length prefix); ``max_concurrent_calls`` bounds the calls served at once and
-``max_inflight_calls`` / ``max_inflight_bytes`` the calls a worker sends at once (further
-ones wait). With
+metadata of each call or stream (``aioautograd-token``, compared in constant time; with
+``identity="token"`` also ``aioautograd-worker``, the name the token belongs to) and refuses
+a call or stream without valid credentials with ``UNAUTHENTICATED`` without reading any
+message. With ``identity="token"`` or ``"tls"`` (mutual TLS, each worker's certificate naming
+it), a request whose sender or a join whose name is not the authenticated worker is refused
+with ``PERMISSION_DENIED`` (on a stream, the whole stream is: its sender identity is bound at
+its opening). Messages are bounded by ``max_message_size`` on both sides (gRPC refuses a
+larger one from its length prefix); ``max_concurrent_calls`` bounds the calls served at once
+(further ones are refused with ``RESOURCE_EXHAUSTED``) and ``max_inflight_calls`` /
+``max_inflight_bytes`` the calls a worker sends at once (further ones wait). With
 :class:`~aioautograd.distributed.rpc.options.TLSConfig` the servers and the channels use TLS
 (``mutual=True`` makes servers require client certificates). Malformed requests get
 ``INVALID_ARGUMENT``; the server keeps serving.
@@ -63,6 +68,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
 
 from aioautograd.distributed.rpc import wire
 from aioautograd.distributed.rpc.agent import RpcAgent
+from aioautograd.distributed.rpc.backends.grpc_stream import FRAME, IncomingStream, OutgoingStream
 from aioautograd.distributed.rpc.errors import (
     MalformedMessageError,
     RpcAuthenticationError,
@@ -99,7 +105,11 @@ def _message_limits(size: int) -> list[tuple[str, Any]]:
 
 def map_grpc_error(exc: grpc.aio.AioRpcError, peer: str) -> Exception:
     """The RPC-layer exception for a failed gRPC call to ``peer``."""
-    code, details = exc.code(), exc.details()
+    return map_status(exc.code(), exc.details(), peer)
+
+
+def map_status(code: Any, details: str | None, peer: str) -> Exception:
+    """The RPC-layer exception for gRPC status ``code`` of a call to ``peer``."""
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return RpcAuthenticationError(f"worker {peer!r} refused this worker: {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -177,6 +187,8 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, text)
             raise AssertionError("unreachable: abort raises")
 
+        if details.method.endswith("/Stream"):
+            return grpc.stream_stream_rpc_method_handler(refuse)
         return grpc.stream_unary_rpc_method_handler(refuse)
 
 
@@ -250,6 +262,10 @@ class GrpcAgent(RpcAgent):
         self._server: Any = None
         self._channels: dict[str, Any] = {}
         self._stubs: dict[str, Any] = {}
+        self._streams: dict[str, OutgoingStream] = {}
+        self.served_now = 0  # requests being served (max_concurrent_calls bounds it)
+        self._calls = 0  # calls of this worker in flight to peers (see _exchange)
+        self._calls_idle: asyncio.Future[None] | None = None
         self._addresses: dict[str, str] = {}
         self._joined: dict[str, tuple[int, str, str]] = {}
         self._all_joined = asyncio.Event()
@@ -281,9 +297,12 @@ class GrpcAgent(RpcAgent):
         server = grpc.aio.server(
             options=[*_message_limits(options.max_message_size), _NO_REUSEPORT],
             interceptors=[_AuthInterceptor(self.info.name, self._credentials)],
-            maximum_concurrent_rpcs=options.max_concurrent_calls,
+            # Calls are counted by served_now; this bounds the RPCs themselves (the peers'
+            # streams, joins, unary calls), so that no body is read beyond it.
+            maximum_concurrent_rpcs=options.max_concurrent_calls + 2 * self.world_size,
         )
         handlers = {
+            "Stream": grpc.stream_stream_rpc_method_handler(self._on_stream),
             "Call": grpc.unary_unary_rpc_method_handler(self._on_call),
             "Join": grpc.unary_unary_rpc_method_handler(self._on_join),
         }
@@ -346,6 +365,10 @@ class GrpcAgent(RpcAgent):
 
     async def _stop(self) -> None:
         await asyncio.to_thread(self._heartbeat.stop)
+        # Our streams first: the peers' servers end them, and ours waits for theirs.
+        streams = list(self._streams.values())
+        self._streams.clear()
+        await asyncio.gather(*(stream.close() for stream in streams))
         if self._server is not None:
             await self._server.stop(_STOP_GRACE_S)
         for channel in self._channels.values():
@@ -482,7 +505,24 @@ class GrpcAgent(RpcAgent):
             f"({mode=}: each worker's certificate must name it)"
         )
 
+    async def _on_stream(self, requests: Any, context: Any) -> None:
+        await IncomingStream(self, context, self._caller(context)).run()
+
     async def _on_call(self, request: bytes, context: Any) -> bytes:
+        limit = self.options.max_concurrent_calls
+        if self.served_now >= limit:
+            await self._abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"worker {self.info.name!r} serves max_concurrent_calls={limit} calls",
+            )
+        self.served_now += 1
+        try:
+            return await self._serve_unary(request, context)
+        finally:
+            self.served_now -= 1
+
+    async def _serve_unary(self, request: bytes, context: Any) -> bytes:
         try:
             message = wire.Message.from_bytes(request)
             caller = self._caller(context)
@@ -548,6 +588,48 @@ class GrpcAgent(RpcAgent):
         self._channels[address] = channel
         return channel
 
+    async def _exchange(
+        self, dst: WorkerInfo, message: wire.Message, seconds: float | None, fn: str
+    ) -> wire.Message:
+        # A call to a peer runs in the caller's task, without the base class's task per call
+        # (two loop iterations fewer): a peer marked dead fails it through _fail_calls_to,
+        # a graceful shutdown waits for it through _calls, and _stop fails what is left.
+        if dst.name == self.info.name:
+            return await super()._exchange(dst, message, seconds, fn)
+        reason = self._dead.get(dst.name)
+        if reason is not None:
+            raise WorkerUnavailableError(f"worker {dst.name!r} is dead ({reason})")
+        self._calls += 1
+        try:
+            async with asyncio.timeout(seconds):
+                return await self._send_request(dst, message, seconds)
+        except TimeoutError as exc:
+            if isinstance(exc, RpcTimeoutError):
+                raise
+            raise RpcTimeoutError(
+                f"call of {fn!r} on worker {dst.name!r} timed out after {seconds} s"
+            ) from None
+        finally:
+            self._calls -= 1
+            idle = self._calls_idle
+            if self._calls == 0 and idle is not None and not idle.done():
+                idle.set_result(None)
+
+    def _fail_calls_to(self, name: str, reason: str) -> None:
+        stream = self._streams.get(name)
+        if stream is not None:
+            stream.fail_pending(
+                lambda: WorkerUnavailableError(f"worker {name!r} is unavailable ({reason})")
+            )
+
+    async def _drain(self) -> None:
+        while True:
+            await super()._drain()
+            if self._calls == 0:
+                return
+            self._calls_idle = self.loop.create_future()
+            await self._calls_idle
+
     async def _send_request(
         self, dst: WorkerInfo, message: wire.Message, seconds: float | None
     ) -> wire.Message:
@@ -559,25 +641,44 @@ class GrpcAgent(RpcAgent):
                 self._serve_snapshot(request), context=contextvars.Context()
             )
         size = message.nbytes
-        if size > self.options.max_message_size:
+        if size + FRAME.size > self.options.max_message_size:
             raise RpcLimitError(
                 f"a message of {size} bytes to worker {dst.name!r} exceeds "
                 f"GrpcOptions.max_message_size ({self.options.max_message_size} bytes): send "
                 "smaller tensors, or raise max_message_size on every worker"
             )
-        call = self._stubs.get(dst.name)
-        if call is None:
-            channel = self._channel(self._addresses[dst.name])
-            call = self._stubs[dst.name] = channel.unary_unary(f"/{SERVICE}/Call")
         held = await self._budget.acquire(size)
         try:
-            data = await call(message.to_bytes(), timeout=seconds, metadata=self._metadata)
-        except grpc.aio.AioRpcError as exc:
-            raise map_grpc_error(exc, dst.name) from None
+            reason = self._dead.get(dst.name)  # it died while this call waited for room
+            if reason is not None:
+                raise WorkerUnavailableError(f"worker {dst.name!r} is dead ({reason})")
+            if self._stopped:  # _stop has closed the streams and channels
+                raise WorkerUnavailableError(
+                    f"call to worker {dst.name!r} failed: worker {self.info.name!r} shut down"
+                )
+            stream = self._streams.get(dst.name)
+            if stream is None:
+                stream = self._open_stream(dst.name)
+            return await stream.request(message)
         finally:
             self._budget.release(held)
-        self._heard_from(dst.name)
-        return wire.Message.from_bytes(data)
+
+    def _open_stream(self, peer: str) -> OutgoingStream:
+        call = self._stubs.get(peer)
+        if call is None:
+            channel = self._channel(self._addresses[peer])
+            call = self._stubs[peer] = channel.stream_stream(f"/{SERVICE}/Stream")
+        stream = OutgoingStream(self, peer, call(metadata=self._metadata), self._stream_closed)
+        self._streams[peer] = stream
+        return stream
+
+    def _stream_closed(self, stream: OutgoingStream) -> None:
+        if self._streams.get(stream.peer) is stream:
+            del self._streams[stream.peer]
+
+    # The stream module maps statuses through these (they live here, with grpc's codes).
+    map_grpc_error = staticmethod(map_grpc_error)
+    status_error = staticmethod(map_status)
 
     async def _serve_snapshot(self, request: wire.Message) -> wire.Message:
         return (await self.serve(request)).snapshot()
