@@ -216,9 +216,6 @@ class AccumulateGrad(Node):
         device = variable.device
         if device.backend.has_streams:
             self._stream = device.current_stream()
-        if variable._backward_hooks is None:
-            variable._backward_hooks = HookDict()
-        self._tensor_pre_hooks = {0: variable._backward_hooks}
 
     @property
     def _input_metadata(self) -> list[InputMetadata]:
@@ -228,6 +225,17 @@ class AccumulateGrad(Node):
 
     @_input_metadata.setter
     def _input_metadata(self, value: list[InputMetadata]) -> None:
+        pass  # derived from the variable; Node.__init__ assigns a default
+
+    @property
+    def _tensor_pre_hooks(self) -> dict[int, HookDict] | None:
+        # The leaf's hooks (``Tensor.register_hook``), read live; None while it has none, so
+        # that the engine's hot path takes the node (as any node without hooks).
+        hooks = self.variable._backward_hooks
+        return {0: hooks} if hooks else None
+
+    @_tensor_pre_hooks.setter
+    def _tensor_pre_hooks(self, value: dict[int, HookDict] | None) -> None:
         pass  # derived from the variable; Node.__init__ assigns a default
 
     def apply(self, grads: Grads) -> Sequence[Tensor | None]:
