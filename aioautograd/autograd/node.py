@@ -211,7 +211,7 @@ class AccumulateGrad(Node):
     inline = True
 
     def __init__(self, variable: Tensor) -> None:
-        super().__init__((), sequence_nr=_ACCUMULATE_SEQUENCE_NR)
+        Node.__init__(self, (), _ACCUMULATE_SEQUENCE_NR)  # (one per leaf per step)
         self.variable = variable
         device = variable.device
         if device.backend.has_streams:
