@@ -83,9 +83,13 @@ class ReadyQueue:
         """Queue ``task``; ``wake=False`` leaves sleeping threads asleep (the pushing thread
         serves this queue and will pop it itself)."""
         item = (-task.key, next(self._tiebreak), task)
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # (not ``with``: this runs for every node a fan queues)
+        try:
             heapq.heappush(self._heap, item)
             channel = self._waiters.popleft() if wake and self._waiters else None
+        finally:
+            lock.release()
         if channel is not None:
             channel.put(None)
 
@@ -129,10 +133,14 @@ class ReadyQueue:
         heap = self._heap
         if not heap:  # an unlocked peek: a hint, checked again under the lock
             return None
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             if heap:
                 task: NodeTask = heapq.heappop(heap)[2]
                 return task
+        finally:
+            lock.release()
         return None
 
     def top_key(self) -> int | None:
