@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from aioautograd.autograd.hooks import HookDict, RemovableHandle
-from aioautograd.grad_mode import _grad_enabled
+from aioautograd.grad_mode import _grad_enabled_get
 
 if TYPE_CHECKING:
     from aioautograd._typing import Shape
@@ -259,7 +259,7 @@ class AccumulateGrad(Node):
 def accumulate_grad(variable: Tensor, grad: Tensor) -> None:
     """Add ``grad`` into ``variable.grad`` following PyTorch's AccumulateGrad rules."""
     old = variable._grad
-    if _grad_enabled.get():  # create_graph: keep the accumulation differentiable
+    if _grad_enabled_get():  # create_graph: keep the accumulation differentiable
         # A first gradient is copied differentiably (PyTorch's CopyBackwards node), so
         # .grad never aliases a tensor of the graph.
         variable._grad = grad._copy_grad() if old is None else old + grad

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 Grads = list[Tensor | None]
 _NO_INPUTS: Grads = []
+# Bound once (see grad_mode._grad_enabled_get): read for every node.
+_current_graph_task_get = current_graph_task.get
 
 
 def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTask | None:
@@ -72,7 +74,7 @@ def evaluate_function(task: NodeTask, device: Device, reuse: bool = False) -> li
     node = task.node
     inputs = task.inputs
     try:
-        if current_graph_task.get() is not graph_task:
+        if _current_graph_task_get() is not graph_task:
             # Worker threads keep their own context; it changes only when they switch tasks.
             enter_graph_task(graph_task)
         if graph_task.pending_analysis is not None:  # first task: only one exists, no race
