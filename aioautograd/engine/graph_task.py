@@ -242,27 +242,31 @@ class GraphTask:
         # One comparison per node: the next count of nodes seen at which to check the
         # limit and let other threads in (every 1,024 nodes).
         check_at = min(limit, 1024)
+        seen = 0
+        push = stack.append
+        pop = stack.pop
+        # (Membership tests and subscripts, not dict.get: no method call per edge.)
         while stack:
-            node = stack.pop()
+            node = pop()
             for next_node, _ in node._next_edges:
-                if next_node is None or next_node.topological_nr < min_topo_nr:
+                if next_node is None or (min_topo_nr and next_node.topological_nr < min_topo_nr):
                     continue
-                count = dependencies.get(next_node, 0)
-                dependencies[next_node] = count + 1
-                if count:
-                    producers = fan_in.get(next_node)
-                    if producers is None:
-                        fan_in[next_node] = [first[next_node], node]
+                if next_node in dependencies:
+                    dependencies[next_node] += 1
+                    if next_node in fan_in:
+                        fan_in[next_node].append(node)
                     else:
-                        producers.append(node)
+                        fan_in[next_node] = [first[next_node], node]
                 else:
+                    dependencies[next_node] = 1
                     first[next_node] = node
-                    stack.append(next_node)
-                    if len(first) >= check_at:
-                        if len(first) >= limit:
+                    push(next_node)
+                    seen += 1
+                    if seen >= check_at:
+                        if seen >= limit:
                             return False
                         pause_if_due()
-                        check_at = min(limit, len(first) + 1024)
+                        check_at = min(limit, seen + 1024)
         return True
 
     def init_to_execute(
