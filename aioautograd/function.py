@@ -37,6 +37,9 @@ EdgeRule = Literal["tensors", "differentiable", "operands"]
 # Bound once (see grad_mode._grad_enabled_get): these run for every recorded op.
 _anomaly_get = _anomaly.get
 _saved_tensors_hooks_get = saved_tensors_hooks_stack.get
+# Attribute loads on classes are not specialized by CPython 3.11: bound once too.
+_node_init = Node.__init__
+_new_object = object.__new__
 
 
 class FunctionCtx:
@@ -412,13 +415,13 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
                 continue
         edges.append(_NO_EDGE)
     if skipped is None:
-        node = cls._backward_cls.__new__(cls._backward_cls)
+        node = _new_object(cls._backward_cls)
     else:
         node_cls = cls._tensor_args_backward_cls or cls._tensor_args_node_cls()
-        node = node_cls.__new__(node_cls)
+        node = _new_object(node_cls)
         node._edge_args = tuple(i for i in range(len(args)) if i not in skipped)  # type: ignore[attr-defined]
         node._num_args = len(args)  # type: ignore[attr-defined]
-    Node.__init__(node, tuple(edges))
+    _node_init(node, tuple(edges))
     node.needs_input_grad = tuple(needs)
 
     token = _grad_enabled_set(False)
