@@ -24,10 +24,22 @@ from aioautograd.autograd.saved import (
     second_backward_error,
     unpack_arrays,
 )
-from aioautograd.grad_mode import _grad_enabled
+from aioautograd.grad_mode import (
+    _grad_enabled,
+    _grad_enabled_get,
+    _grad_enabled_reset,
+    _grad_enabled_set,
+)
 from aioautograd.tensor import Tensor
 
 EdgeRule = Literal["tensors", "differentiable", "operands"]
+
+# Bound once (see grad_mode._grad_enabled_get): these run for every recorded op.
+_anomaly_get = _anomaly.get
+_saved_tensors_hooks_get = saved_tensors_hooks_stack.get
+# Attribute loads on classes are not specialized by CPython 3.11: bound once too.
+_node_init = Node.__init__
+_new_object = object.__new__
 
 
 class FunctionCtx:
@@ -101,7 +113,7 @@ class BackwardCFunction(Node, FunctionCtx):
         self._saved = None
 
     def _save_variables(self, outputs: tuple[Any, ...]) -> None:
-        hooks = saved_tensors_hooks_stack.get()
+        hooks = _saved_tensors_hooks_get()
         saved: list[SavedTensor | None] = []
         for tensor in self.to_save:
             if tensor is None:
@@ -309,7 +321,7 @@ class Function:
     @classmethod
     def apply(cls, *args: Any, **kwargs: Any) -> Any:
         """Run ``forward`` and, when grad mode is on and an input requires grad, record a node."""
-        if _grad_enabled.get():
+        if _grad_enabled_get():
             for arg in args:
                 if isinstance(arg, Tensor) and arg._requires_grad:
                     return _apply_with_grad(cls, args, kwargs)
@@ -403,22 +415,22 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
                 continue
         edges.append(_NO_EDGE)
     if skipped is None:
-        node = cls._backward_cls.__new__(cls._backward_cls)
+        node = _new_object(cls._backward_cls)
     else:
         node_cls = cls._tensor_args_backward_cls or cls._tensor_args_node_cls()
-        node = node_cls.__new__(node_cls)
+        node = _new_object(node_cls)
         node._edge_args = tuple(i for i in range(len(args)) if i not in skipped)  # type: ignore[attr-defined]
         node._num_args = len(args)  # type: ignore[attr-defined]
-    Node.__init__(node, tuple(edges))
+    _node_init(node, tuple(edges))
     node.needs_input_grad = tuple(needs)
 
-    token = _grad_enabled.set(False)
+    token = _grad_enabled_set(False)
     try:
         raw = cls._forward_with_ctx(node, *args, **kwargs)
     except ValueError as exc:
         raise _broadcast_error(cls, args, exc) from exc
     finally:
-        _grad_enabled.reset(token)
+        _grad_enabled_reset(token)
 
     outputs = raw if type(raw) is tuple else (raw,)
     dirty = node.dirty_tensors
@@ -453,7 +465,7 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
     if replaced is not None:
         outputs = tuple(replaced)
         raw = outputs if type(raw) is tuple else outputs[0]
-    if _anomaly.get().enabled:
+    if _anomaly_get().enabled:
         node.metadata["traceback_"] = traceback.format_stack()[:-2]
         parent = current_node.get()
         if parent is not None:

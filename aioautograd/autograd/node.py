@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from aioautograd.autograd.hooks import HookDict, RemovableHandle
-from aioautograd.grad_mode import _grad_enabled
+from aioautograd.grad_mode import _grad_enabled_get
 
 if TYPE_CHECKING:
     from aioautograd._typing import Shape
@@ -211,14 +211,11 @@ class AccumulateGrad(Node):
     inline = True
 
     def __init__(self, variable: Tensor) -> None:
-        super().__init__((), sequence_nr=_ACCUMULATE_SEQUENCE_NR)
+        Node.__init__(self, (), _ACCUMULATE_SEQUENCE_NR)  # (one per leaf per step)
         self.variable = variable
         device = variable.device
         if device.backend.has_streams:
             self._stream = device.current_stream()
-        if variable._backward_hooks is None:
-            variable._backward_hooks = HookDict()
-        self._tensor_pre_hooks = {0: variable._backward_hooks}
 
     @property
     def _input_metadata(self) -> list[InputMetadata]:
@@ -228,6 +225,17 @@ class AccumulateGrad(Node):
 
     @_input_metadata.setter
     def _input_metadata(self, value: list[InputMetadata]) -> None:
+        pass  # derived from the variable; Node.__init__ assigns a default
+
+    @property
+    def _tensor_pre_hooks(self) -> dict[int, HookDict] | None:
+        # The leaf's hooks (``Tensor.register_hook``), read live; None while it has none, so
+        # that the engine's hot path takes the node (as any node without hooks).
+        hooks = self.variable._backward_hooks
+        return {0: hooks} if hooks else None
+
+    @_tensor_pre_hooks.setter
+    def _tensor_pre_hooks(self, value: dict[int, HookDict] | None) -> None:
         pass  # derived from the variable; Node.__init__ assigns a default
 
     def apply(self, grads: Grads) -> Sequence[Tensor | None]:
@@ -251,7 +259,7 @@ class AccumulateGrad(Node):
 def accumulate_grad(variable: Tensor, grad: Tensor) -> None:
     """Add ``grad`` into ``variable.grad`` following PyTorch's AccumulateGrad rules."""
     old = variable._grad
-    if _grad_enabled.get():  # create_graph: keep the accumulation differentiable
+    if _grad_enabled_get():  # create_graph: keep the accumulation differentiable
         # A first gradient is copied differentiably (PyTorch's CopyBackwards node), so
         # .grad never aliases a tensor of the graph.
         variable._grad = grad._copy_grad() if old is None else old + grad

@@ -145,22 +145,24 @@ class Engine:
         over two threads mostly trades the GIL back and forth); threads already awake, or
         woken for another graph task, take them too.
         """
+        # This thread serves ``device``'s executor (its workers are started): its queue
+        # takes the local tasks directly.
+        queue = self.executor(device).queue
         local: NodeTask | None = None
         for task in ready:
             task_device = buffer_device(task.inputs)
             if task_device is device and (local is None or task.key > local.key):
                 if local is not None:
-                    self.push(local, device, wake=False)
+                    queue.push(local, wake=False)
                 local = task
             elif task_device is device:
-                self.push(task, device, wake=False)
+                queue.push(task, wake=False)
             else:
                 self.push(task, task_device)
         if local is not None:
-            queue = self.executor(device).queue
             top = queue.top_key()
             if top is not None and top > local.key:
-                self.push(local, device, wake=False)
+                queue.push(local, wake=False)
                 return None
         return local
 

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 Grads = list[Tensor | None]
 _NO_INPUTS: Grads = []
+# Bound once (see grad_mode._grad_enabled_get): read for every node.
+_current_graph_task_get = current_graph_task.get
 
 
 def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTask | None:
@@ -58,8 +60,8 @@ def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTas
 
 def evaluate_function(task: NodeTask, device: Device, reuse: bool = False) -> list[NodeTask] | None:
     """(executor or loop) Evaluate ``task`` on this thread and return the successor tasks it
-    made ready. With ``reuse`` (the caller holds ``task`` for nothing else), a single
-    successor of a single-edge node may be ``task`` itself, refilled.
+    made ready. With ``reuse`` (the caller holds ``task`` for nothing else), the first
+    successor may be ``task`` itself, refilled.
 
     Errors fail the graph task (delivered to whoever awaits it) and are not raised here:
     the thread lives on (re-raising would kill a worker and shrink the executor for every
@@ -72,7 +74,7 @@ def evaluate_function(task: NodeTask, device: Device, reuse: bool = False) -> li
     node = task.node
     inputs = task.inputs
     try:
-        if current_graph_task.get() is not graph_task:
+        if _current_graph_task_get() is not graph_task:
             # Worker threads keep their own context; it changes only when they switch tasks.
             enter_graph_task(graph_task)
         if graph_task.pending_analysis is not None:  # first task: only one exists, no race
@@ -263,8 +265,8 @@ def _make_ready(
     graph_task: GraphTask, node: Node, outputs: Sequence[Tensor | None], reuse: NodeTask | None
 ) -> list[NodeTask] | None:
     """Dependency bookkeeping: fill input buffers and return the successors made ready
-    (``reuse``: a finished task to refill for the successor of a single-edge node, saving
-    an allocation per node of a chain)."""
+    (``reuse``: a finished task to refill for the first successor made ready, saving an
+    allocation per node of a chain)."""
     exec_info = graph_task.exec_info
     producer = node._stream
     ready: list[NodeTask] = []
@@ -294,12 +296,6 @@ def _make_ready(
                     else:
                         buffer = [None] * len(next_node._input_metadata)
                         buffer[input_nr] = grad
-                    if reuse is not None and i == 0 and len(node._next_edges) == 1:
-                        reuse.node = next_node
-                        reuse.inputs = buffer
-                        reuse.key = graph_task.depth_key | next_node.sequence_nr
-                        ready.append(reuse)
-                        continue
                 else:
                     if buffer is None:
                         buffer = _new_buffer(next_node)
@@ -307,7 +303,14 @@ def _make_ready(
                     else:
                         _add(graph_task, buffer, next_node, input_nr, node, i, grad, producer)
                         graph_task.slot_orders.pop(next_node, None)
-                ready.append(NodeTask(graph_task, next_node, buffer))
+                if reuse is not None:  # the first successor made ready takes the finished task
+                    reuse.node = next_node
+                    reuse.inputs = buffer
+                    reuse.key = graph_task.depth_key | next_node.sequence_nr
+                    ready.append(reuse)
+                    reuse = None
+                else:
+                    ready.append(NodeTask(graph_task, next_node, buffer))
             else:
                 dependencies[next_node] = count - 1
                 buffer = not_ready.get(next_node)

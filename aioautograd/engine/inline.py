@@ -71,30 +71,43 @@ def run_inline(graph_task: GraphTask, first: NodeTask, budget_s: float) -> bool:
         engine.push(first, buffer_device(first.inputs))
         return False
     deadline = time.perf_counter() + budget_s
-    heap: list[tuple[int, int, NodeTask]] = [(-first.key, 0, first)]
+    heap: list[tuple[int, int, NodeTask]] = []
     pushed = 0
+    task: NodeTask | None = first
     with numpy.errstate(all=NUMPY_ERRORS):  # as on the executors: see policy.NUMPY_ERRORS
-        while heap:
-            task = heap[0][2]
-            if task is not first and (
-                time.perf_counter() > deadline or not qualifies(task, max_elements)
-            ):
-                break
-            heapq.heappop(heap)
-            ready = evaluate_function(task, CPU)
-            if not ready:
-                continue
-            for successor in ready:
-                device = buffer_device(successor.inputs)
-                if device.type == "cpu":
-                    pushed += 1
-                    heapq.heappush(heap, (-successor.key, pushed, successor))
+        while task is not None:
+            # ``reuse``: nothing here holds ``task`` once evaluated (the heap entry is gone).
+            ready = evaluate_function(task, CPU, True)
+            task = None
+            if ready:
+                if len(ready) == 1 and not heap:
+                    # A chain: the one successor runs next, without the heap.
+                    successor = ready[0]
+                    if buffer_device(successor.inputs).type == "cpu":
+                        task = successor
+                    else:
+                        graph_task.expect_completion_elsewhere()
+                        engine.push(successor, buffer_device(successor.inputs))
                 else:
-                    graph_task.expect_completion_elsewhere()
-                    engine.push(successor, device)
+                    for successor in ready:
+                        device = buffer_device(successor.inputs)
+                        if device.type == "cpu":
+                            pushed += 1
+                            heapq.heappush(heap, (-successor.key, pushed, successor))
+                        else:
+                            graph_task.expect_completion_elsewhere()
+                            engine.push(successor, device)
+            if task is None:
+                if not heap:
+                    break
+                task = heapq.heappop(heap)[2]
+            if time.perf_counter() > deadline or not qualifies(task, max_elements):
+                pushed += 1
+                heapq.heappush(heap, (-task.key, pushed, task))
+                break
     if heap:
         graph_task.expect_completion_elsewhere()
-        for _, _, task in heap:
-            engine.push(task, CPU)
+        for _, _, left in heap:
+            engine.push(left, CPU)
         return False
     return graph_task.completed

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from aioautograd.autograd.node import AccumulateGrad
 from aioautograd.devices.device import CPU, Device
-from aioautograd.grad_mode import _grad_enabled
+from aioautograd.grad_mode import _grad_enabled_get
 from aioautograd.tensor import wrap
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ def slot_orders(node: Node, producers: list[Node]) -> list[SlotOrder | None] | N
 def _sum(old: Tensor, grad: Tensor) -> Tensor:
     """``old + grad``; recorded only under ``create_graph``, else one array addition (both
     gradients were validated against the same input: same shape, dtype and device)."""
-    if _grad_enabled.get():
+    if _grad_enabled_get():
         return old + grad
     return wrap(old.xp.add(old.data, grad.data), old.device)
 

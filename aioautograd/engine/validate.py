@@ -63,8 +63,8 @@ def validated(
             shape, dtype, device = next_node._input_metadata[input_nr]
             if type(grad) is not Tensor or not (
                 grad.device is device
-                and grad.data.shape == shape
-                and (grad.data.dtype is dtype or grad.data.dtype == dtype)
+                and (data := grad.data).shape == shape
+                and (data.dtype is dtype or data.dtype == dtype)
             ):
                 if result is None:
                     result = list(grads)

@@ -71,12 +71,14 @@ def _main(executor_ref: weakref.ref[Executor]) -> None:
             nodes = held_nodes(executor)
             if nodes:
                 computing = _all_computing(executor, ticks, now - since)
-                if not computing:
-                    executor.start_extra_worker()
-                # (After the worker: a warnings filter that turns it into an error must not
-                # stop the watchdog, nor the help.)
+                # Warn first: once started, the extra worker may finish the waiting passes
+                # before this thread gets the GIL back, and a warning emitted after them
+                # would name a wait that is over. (Suppressed: a warnings filter that turns
+                # it into an error must not stop the watchdog, nor the help.)
                 with contextlib.suppress(Exception):
                     _report(nodes, now - since, warned, computing)
+                if not computing:
+                    executor.start_extra_worker()
             del nodes  # not kept alive while the watchdog sleeps
             since = now
             ticks = [cpu_ticks(thread) for thread in executor.threads()]
@@ -137,7 +139,7 @@ def _report(
         advice = (
             "A backward that blocks (a lock, an event, I/O, sleep) holds its worker thread "
             "and delays every other backward pass: make it `async def backward` and await "
-            "instead. An extra worker was started."
+            "instead. An extra worker is started to serve the other passes."
         )
     warnings.warn(
         f"aioautograd: every CPU worker has been busy for {held_s:.1f} s while backward "

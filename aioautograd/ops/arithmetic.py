@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from aioautograd.function import FunctionCtx
-from aioautograd.grad_mode import _grad_enabled
+from aioautograd.grad_mode import _grad_enabled_get
 from aioautograd.ops._util import Op, binary_operands, keep_where, wrap
 from aioautograd.tensor import Tensor
 
@@ -65,7 +65,7 @@ class Mul(Op):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
         scalar_a, scalar_b = ctx.scalars
         needs = ctx.needs_input_grad
-        if not _grad_enabled.get():  # nothing to record: the same products on the arrays
+        if not _grad_enabled_get():  # nothing to record: the same products on the arrays
             # Written out twice on purpose: a shared helper over arrays or tensors cost 735
             # instructions per node of the ``chain`` benchmark (benchmarks/callgrind.py,
             # +1.8%); tests/ops/test_op_table.py holds the two equal.

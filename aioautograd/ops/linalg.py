@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from aioautograd.grad_mode import _grad_enabled
+from aioautograd.grad_mode import _grad_enabled_get
 from aioautograd.ops._util import Op, as_tensor_like, binary_operands, wrap
 from aioautograd.ops.arithmetic import where
 from aioautograd.ops.reduction import normalize_dims
@@ -29,14 +29,15 @@ class MatMul(Op):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
         a_ndim, b_ndim = ctx.ndims
         needs = ctx.needs_input_grad
-        if a_ndim > 1 and b_ndim > 1 and not _grad_enabled.get():
+        if a_ndim > 1 and b_ndim > 1 and not _grad_enabled_get():
             # Nothing to record: the two products on the arrays (a plain backward's case).
             a_data, b_data = ctx.saved_arrays
-            xp, g, device = grad.xp, grad.data, grad.device
+            g, device = grad.data, grad.device
             product = device.backend.matmul
+            # (the arrays' own swapaxes: NumPy's function is a Python wrapper around it)
             return (
-                wrap(product(g, xp.swapaxes(b_data, -1, -2)), device) if needs[0] else None,
-                wrap(product(xp.swapaxes(a_data, -1, -2), g), device) if needs[1] else None,
+                wrap(product(g, b_data.swapaxes(-1, -2)), device) if needs[0] else None,
+                wrap(product(a_data.swapaxes(-1, -2), g), device) if needs[1] else None,
             )
         a, b = ctx.saved_tensors
         if a_ndim == 1 and b_ndim == 1:  # dot product: grad is 0-d

@@ -168,7 +168,7 @@ def _class_index_grad(ctx: Any, xp: Any, g: Any, setup: CrossEntropySetup) -> Te
         # q is the one-hot of the target (zero on ignored rows): subtract it in place. No
         # branch on the data (a host sync on a GPU): ignored rows are zeroed and subtract 0.
         safe, target_weight = ctx.class_targets  # forward's
-        probs *= xp.expand_dims(target_weight, 1)
+        probs *= target_weight[:, None]
         probs[xp.arange(target.shape[0]), safe] -= target_weight
         probs *= g
         return wrap(probs, ctx.saved_device)
@@ -210,8 +210,13 @@ def _class_index_losses(
     """Per-position losses, their total weight, and ``(safe_target, target_weight)``."""
     dim, smoothing = setup.class_dim, setup.label_smoothing
     valid, safe, target_weight = _target_weights(xp, target, setup, log_probs.dtype, device)
-    picked = xp.take_along_axis(log_probs, xp.expand_dims(safe, dim), axis=dim)
-    losses = -(1.0 - smoothing) * target_weight * picked.squeeze(dim)
+    if log_probs.ndim == 2 and dim == 1:
+        # (batch, classes), the common case: one gather (take_along_axis costs ~10k
+        # instructions more in Python, an exception caught inside NumPy included).
+        picked = log_probs[xp.arange(safe.shape[0]), safe]
+    else:
+        picked = xp.take_along_axis(log_probs, xp.expand_dims(safe, dim), axis=dim).squeeze(dim)
+    losses = -(1.0 - smoothing) * target_weight * picked
     if smoothing:
         weighted = log_probs
         if setup.weight is not None:

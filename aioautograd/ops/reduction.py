@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from aioautograd._typing import Array, Shape
-from aioautograd.grad_mode import _grad_enabled
+from aioautograd.grad_mode import _grad_enabled_get
 from aioautograd.ops._util import MultiOutputOp, Op, wrap
 from aioautograd.ops.arithmetic import maximum, minimum, where
 from aioautograd.ops.unary import exp, sqrt
@@ -43,7 +43,7 @@ def _expand_back(grad: Tensor, shape: Shape, dims: tuple[int, ...], keepdim: boo
     reinsert = not keepdim and shape
     if reinsert:
         kept = tuple(1 if i in dims else s for i, s in enumerate(shape))
-    if not _grad_enabled.get():
+    if not _grad_enabled_get():
         # Nothing to record: fill a new array (one AccumulateGrad may keep as it is).
         out = grad.xp.empty(shape, grad.data.dtype)
         out[...] = grad.data.reshape(kept) if reinsert else grad.data

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from aioautograd._typing import Array
 from aioautograd.devices.device import Device
 from aioautograd.function import FunctionCtx
-from aioautograd.grad_mode import _grad_enabled
+from aioautograd.grad_mode import _grad_enabled_get
 from aioautograd.ops import _erf
 from aioautograd.ops._util import Op, keep_where, wrap
 from aioautograd.ops.arithmetic import where
@@ -196,7 +196,7 @@ class Relu(Op):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        if not _grad_enabled.get():  # nothing to record: ThresholdBackward's forward, inline
+        if not _grad_enabled_get():  # nothing to record: ThresholdBackward's forward, inline
             return _threshold_backward(grad, ctx.saved_arrays[0])
         return ThresholdBackward.apply(grad, ctx.saved_tensors[0])
 
