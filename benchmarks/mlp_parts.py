@@ -26,13 +26,12 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import workloads as W
-from budget_ab import wait_until_idle
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import aioautograd as ag
 from aioautograd.devices import cpu_budget
+from benchmarks import workloads as W
+from benchmarks.budget_ab import wait_until_idle
 
 PARAMS = {"widths": [784, 1024, 1024, 10], "batch": 256}
 Clock = Callable[[], float]
@@ -131,11 +130,8 @@ async def phases(rounds: int) -> None:
 
 
 async def products(steps: int) -> None:
-    ag.set_default_engine(
-        ag.Engine(
-            policy=ag.EnginePolicy(cpu_cores=1, inline_max_elements=1 << 30, inline_budget_s=10.0)
-        )
-    )
+    one_core = ag.EnginePolicy(cpu_cores=1, inline_max_elements=1 << 30, inline_budget_s=10.0)
+    previous = ag.set_default_engine(ag.Engine(policy=one_core))
     parts = _Parts()
     clock = time.process_time
     aio_times: list[list[float]] = []
@@ -165,6 +161,8 @@ async def products(steps: int) -> None:
             np_steps.append(sum(parts.numpy_step(clock)))
     finally:
         cpu_budget.CpuBudget.matmul = budget_matmul  # type: ignore[method-assign]
+        if previous is not None:
+            ag.set_default_engine(previous)
     warm = steps // 5
     for name, step_times, product_times in (
         ("aioautograd", aio_steps[warm:], aio_times[warm:]),
