@@ -814,6 +814,9 @@ class Tensor:
     def exp_(self) -> Tensor:
         return inplace.exp_(self)
 
+    def relu_(self) -> Tensor:
+        return inplace.relu_(self)
+
     def zero_(self) -> Tensor:
         return inplace.zero_(self)
 

@@ -7,9 +7,10 @@ import json
 import math
 import time
 
+import numpy as np
 import pytest
 
-from benchmarks import harness
+from benchmarks import harness, mlp_parts
 from benchmarks import model_parallel as model_parallel_script
 from benchmarks.concurrency import Heartbeat
 from benchmarks.distributed import LOCAL, torch_rpc_unavailable
@@ -55,6 +56,35 @@ async def test_mlp_step_matches_numpy(name: str) -> None:
     subject, baseline = impls[SUBJECT].factory(params), impls["numpy"].factory(params)
     for _ in range(2):
         assert await run_case(subject) == pytest.approx(await run_case(baseline), rel=1e-4)
+
+
+@pytest.mark.timeout(60)
+async def test_mlp_parts_steps_are_the_workload_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    # mlp_parts.py times copies of the two `mlp` steps with marks in them: after one step
+    # each, the parameters equal those after one step of the workloads' own cases.
+    parts = mlp_parts._Parts()
+    await parts.aio_step(time.perf_counter)
+    parts.numpy_step(time.perf_counter)
+    impls = {impl.name: impl for impl in REGISTRY["mlp"].impls}
+    subject, baseline = (
+        impls[SUBJECT].factory(mlp_parts.PARAMS),
+        impls["numpy"].factory(mlp_parts.PARAMS),
+    )
+    await run_case(subject)
+    await run_case(baseline)
+    for mine, theirs in zip(parts.aio.params, subject.params, strict=True):
+        assert np.array_equal(mine.data, theirs.data)
+    # (the NumPy side's products may run on a different BLAS thread count: not bitwise)
+    ours, workloads_own = parts.np, baseline
+    for mine, theirs in zip(
+        ours.weights + ours.biases, workloads_own.weights + workloads_own.biases, strict=True
+    ):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-7)
+    await mlp_parts.products(steps=2)
+    out = capsys.readouterr().out
+    assert "aioautograd" in out
+    assert "numpy" in out
+    assert "outside" in out
 
 
 def test_mlp_data_is_deterministic() -> None:

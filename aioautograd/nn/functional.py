@@ -58,9 +58,10 @@ def _check_same_device(name: str, *tensors: Tensor | None) -> None:
 
 
 # --------------------------------------------------------------------------- activations
-def relu(input: Tensor) -> Tensor:
-    """Elementwise ``max(input, 0)``."""
-    return unary.relu(input)
+def relu(input: Tensor, inplace: bool = False) -> Tensor:
+    """Elementwise ``max(input, 0)``; with ``inplace`` written into ``input`` itself (no new
+    activation array: ``input`` must not be needed elsewhere, as in PyTorch)."""
+    return input.relu_() if inplace else unary.relu(input)
 
 
 def gelu(input: Tensor, approximate: str = "none") -> Tensor:

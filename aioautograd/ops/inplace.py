@@ -1,4 +1,4 @@
-"""In-place ops ``add_ mul_ exp_ zero_ fill_ copy_``: they bump the version counter and, when
+"""In-place ops ``add_ mul_ exp_ relu_ zero_ fill_ copy_``: they bump the version counter and, when
 recording, rebase the modified tensor's history onto the new node (``mark_dirty``)."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ from typing import Any
 import numpy as np
 
 from aioautograd.function import check_inplace
-from aioautograd.grad_mode import is_grad_enabled
+from aioautograd.grad_mode import _grad_enabled, is_grad_enabled
 from aioautograd.ops._util import Op, as_tensor_like, device_operand
+from aioautograd.ops.unary import ThresholdBackward, _threshold_backward
 from aioautograd.tensor import Tensor
 
 
@@ -116,6 +117,23 @@ class ExpInplace(Op):
         return product
 
 
+class ReluInplace(Op):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        x.xp.maximum(x.data, 0, out=x.data)
+        ctx.mark_dirty(x)
+        if ctx.needs_input_grad:
+            ctx.save_for_backward(x)  # the result: ReLU's derivative reads the output
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        if not _grad_enabled.get():  # the plain backward: on the arrays, as ``Relu``'s
+            return _threshold_backward(grad, ctx.saved_arrays[0])
+        (result,) = ctx.saved_tensors
+        return ThresholdBackward.apply(grad, result)
+
+
 class FillInplace(Op):
     @staticmethod
     def forward(ctx: Any, x: Tensor, value: Any) -> Tensor:
@@ -167,6 +185,12 @@ def exp_(x: Tensor) -> Tensor:
     """``x = exp(x)`` in place."""
     check_target(x)
     return ExpInplace.apply(x)
+
+
+def relu_(x: Tensor) -> Tensor:
+    """``x = max(x, 0)`` in place: no new activation array (``nn.ReLU(inplace=True)``)."""
+    check_target(x)
+    return ReluInplace.apply(x)
 
 
 def fill_(x: Tensor, value: Any) -> Tensor:

@@ -78,16 +78,28 @@ class Adam(Optimizer):
         lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
 
+        exp_avg = state["exp_avg"].data
+        exp_avg_sq = state["exp_avg_sq"].data
         if weight_decay != 0:
             if group["decoupled_weight_decay"]:
                 param.mul_(1 - lr * weight_decay)
             else:
-                grad = grad + weight_decay * param.data
-        exp_avg = state["exp_avg"].data
-        exp_avg_sq = state["exp_avg_sq"].data
-        exp_avg += (1 - beta1) * (grad - exp_avg)
+                decay = xp.multiply(param.data, weight_decay, out=xp.empty_like(exp_avg))
+                grad = xp.add(grad, decay, out=decay)
+        # One parameter-sized scratch array serves every temporary below (``out=``); the
+        # operations and their order are the textbook formula's, so the results are bitwise
+        # those of the out-of-place expressions (``out`` is explicit: a 0-d operation would
+        # return a scalar):
+        #   exp_avg += (1 - beta1) * (grad - exp_avg)
+        #   exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
+        #   p -= step_size * exp_avg / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+        scratch = xp.subtract(grad, exp_avg, out=xp.empty_like(exp_avg))
+        scratch *= 1 - beta1
+        exp_avg += scratch
         exp_avg_sq *= beta2
-        exp_avg_sq += (1 - beta2) * grad * grad
+        xp.multiply(grad, 1 - beta2, out=scratch)
+        scratch *= grad
+        exp_avg_sq += scratch
 
         step_size = lr / (1 - beta1**step)
         bias_correction2_sqrt = math.sqrt(1 - beta2**step)
@@ -95,8 +107,16 @@ class Adam(Optimizer):
         if group["amsgrad"]:
             second_moment = state["max_exp_avg_sq"].data
             xp.maximum(second_moment, exp_avg_sq, out=second_moment)
-        denom = xp.sqrt(second_moment) / bias_correction2_sqrt + eps
-        param.add_(Tensor(exp_avg / denom, param.device), alpha=-step_size)
+        denom = xp.sqrt(second_moment, out=scratch)
+        denom /= bias_correction2_sqrt
+        denom += eps
+        update = xp.divide(exp_avg, denom, out=denom)
+        if param.device.backend.fused is None:
+            # What ``add_(alpha=-step_size)`` computes (the product, then the sum), in place.
+            update *= -step_size
+            param.add_(Tensor(update, param.device))
+        else:
+            param.add_(Tensor(update, param.device), alpha=-step_size)
 
 
 class AdamW(Adam):

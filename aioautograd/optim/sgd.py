@@ -56,21 +56,43 @@ class SGD(Optimizer):
 
     def _update(self, param: Tensor, group: dict[str, Any]) -> None:
         assert param.grad is not None
+        xp = param.xp
         grad = param.grad.data
+        # ``owned``: ``grad`` is a temporary of this update, free to be overwritten. Each
+        # step below writes into such arrays with ``out=`` instead of allocating another
+        # parameter-sized temporary; the operations and their order are the textbook
+        # formula's, so the results are bitwise those of the out-of-place expressions. (An
+        # explicit ``out`` everywhere: a 0-d operation would return a scalar, not an array.)
+        owned = False
         if group["maximize"]:
-            grad = -grad
+            grad, owned = xp.negative(grad, out=xp.empty_like(grad)), True
         weight_decay = group["weight_decay"]
         if weight_decay != 0:
-            grad = grad + weight_decay * param.data
+            decay = xp.multiply(param.data, weight_decay, out=xp.empty_like(grad))
+            grad, owned = xp.add(grad, decay, out=decay), True
         momentum = group["momentum"]
         if momentum != 0:
             state = self.state[param]
             buffer = state.get("momentum_buffer")
             if buffer is None:
-                buffer = Tensor(param.xp.array(grad, copy=True), param.device)
+                buffer = Tensor(xp.array(grad, copy=True), param.device)
                 state["momentum_buffer"] = buffer
             else:
                 buffer.data *= momentum
-                buffer.data += (1 - group["dampening"]) * grad
-            grad = grad + momentum * buffer.data if group["nesterov"] else buffer.data
-        param.add_(Tensor(grad, param.device), alpha=-group["lr"])
+                dampening = group["dampening"]
+                if dampening == 0:
+                    buffer.data += grad  # (1 - 0) * grad is grad: no scaled copy
+                elif owned:  # nesterov needs dampening 0: grad is not read again
+                    buffer.data += xp.multiply(grad, 1 - dampening, out=grad)
+                else:
+                    buffer.data += (1 - dampening) * grad
+            if group["nesterov"]:
+                scaled = xp.multiply(buffer.data, momentum, out=xp.empty_like(grad))
+                grad, owned = xp.add(grad, scaled, out=scaled), True
+            else:
+                grad, owned = buffer.data, False
+        if owned and param.device.backend.fused is None:
+            # What ``add_(alpha=-lr)`` computes (``grad * -lr``, then the sum), in place.
+            param.add_(Tensor(xp.multiply(grad, -group["lr"], out=grad), param.device))
+        else:
+            param.add_(Tensor(grad, param.device), alpha=-group["lr"])

@@ -60,6 +60,59 @@ async def test_exp_and_fill_match_torch(torch: Any) -> None:
     )
 
 
+# ------------------------------------------------------------------------------- relu_
+
+
+async def test_relu_inplace_value_version_and_grad(device: str) -> None:
+    x = _randn(3, 4, device=device)
+    assert await ag.gradcheck(lambda t: (t * 1).relu_(), (x,))
+    y = x * 1
+    version = y._version
+    assert y.relu_() is y
+    assert y._version == version + 1
+    assert y.grad_fn.name() == "ReluInplaceBackward0"
+    assert_close(y, np.maximum(x.detach().cpu().data, 0))
+    # The gradients equal the out-of-place op's, bit for bit (the same derivative code).
+    y2 = (x * 1).relu()
+    await ((y * y).sum() + y.sum()).backward()
+    first = x.grad.detach().cpu().data.copy()
+    x.grad = None
+    await ((y2 * y2).sum() + y2.sum()).backward()
+    np.testing.assert_array_equal(first, x.grad.detach().cpu().data)
+
+
+async def test_relu_inplace_second_derivative() -> None:
+    assert await ag.gradgradcheck(lambda t: (t * 1).relu_() * t, (_randn(4),))
+
+
+async def test_relu_inplace_of_a_saved_tensor_fails_at_backward() -> None:
+    x = _randn(3)
+    y = x * 1
+    z = y * y  # saves y
+    y.relu_()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        await z.sum().backward()
+
+
+def test_relu_inplace_of_a_leaf_that_requires_grad_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        _randn(3).relu_()
+
+
+async def test_relu_inplace_functional_and_module_match_torch(torch: Any) -> None:
+    await check_against_torch(
+        torch,
+        lambda m, x: (
+            m.nn.functional.relu(x * 1, inplace=True) * 2,
+            m.nn.ReLU(inplace=True)(x * 3),
+            (x * 1).relu_(),
+        ),
+        _array(3, 5),
+    )
+    assert repr(ag.nn.ReLU(inplace=True)) == "ReLU(inplace=True)"
+    assert repr(ag.nn.ReLU()) == "ReLU()"
+
+
 # ------------------------------------------------------------------- in-place on views
 
 

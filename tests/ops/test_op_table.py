@@ -372,6 +372,13 @@ CASES: dict[str, Case] = {
     "zero_": Case(lambda a: _inplace("zero_")(a) + a, (_r(3),), lambda a: a),
     "copy_": Case(_inplace("copy_"), (_r(3), _r(3, seed=1)), lambda a, b: b),
     "exp_": Case(_inplace("exp_"), (_r(3),), np.exp),
+    "relu_": Case(
+        _inplace("relu_"),
+        (_a(-1.5, 0.5, 2.0, -0.3),),
+        lambda a: np.maximum(a, 0),
+        boundary=(_a(-1.0, 0.0, 2.0),),
+        expected=(_a(0.0, 0.0, 1.0),),
+    ),
     "fill_": Case(lambda a: _inplace("fill_", 2.0)(a) + a, (_r(3),), lambda a: 2.0 + a),
     "setitem_advanced": Case(
         _setitem_advanced,

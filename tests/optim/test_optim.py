@@ -5,6 +5,7 @@ argument validation, and small MLPs trained to high accuracy with ``await loss.b
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -70,6 +71,75 @@ def test_steps_match_torch(torch: Any, device: str, case: tuple[str, dict[str, A
             assert mine.dtype == np.float64
             assert_close(mine.detach(), reference, rtol=1e-12, atol=1e-14)
     assert not np.allclose(to_numpy(ours[0].detach()), arrays[0])  # the steps did move it
+
+
+def _reference_step(
+    name: str, kwargs: dict[str, Any], p: Any, g: Any, state: dict[str, Any]
+) -> Any:
+    """One step of the textbook update, every operation out of place (as the optimizers
+    computed it before they wrote into scratch arrays); returns the new parameter."""
+    if name == "SGD":
+        lr, momentum = kwargs["lr"], kwargs.get("momentum", 0.0)
+        dampening, weight_decay = kwargs.get("dampening", 0.0), kwargs.get("weight_decay", 0.0)
+        if kwargs.get("maximize"):
+            g = -g
+        if weight_decay:
+            g = g + weight_decay * p
+        if momentum:
+            if "b" not in state:
+                state["b"] = g.copy()
+            else:
+                state["b"] = state["b"] * momentum
+                state["b"] = state["b"] + (1 - dampening) * g
+            g = g + momentum * state["b"] if kwargs.get("nesterov") else state["b"]
+        return p + g * -lr
+    lr, (beta1, beta2) = kwargs.get("lr", 1e-3), kwargs.get("betas", (0.9, 0.999))
+    eps, weight_decay = kwargs.get("eps", 1e-8), kwargs.get("weight_decay", 0.0)
+    if name == "AdamW" and "weight_decay" not in kwargs:
+        weight_decay = 1e-2
+    if kwargs.get("maximize"):
+        g = -g
+    step = state["step"] = state.get("step", 0) + 1
+    if weight_decay and name == "AdamW":
+        p = p * (1 - lr * weight_decay)
+    elif weight_decay:
+        g = g + weight_decay * p
+    m, v = state.get("m", np.zeros_like(p)), state.get("v", np.zeros_like(p))
+    m = m + (1 - beta1) * (g - m)
+    v = v * beta2
+    v = v + (1 - beta2) * g * g
+    state["m"], state["v"] = m, v
+    if kwargs.get("amsgrad"):
+        state["vmax"] = np.maximum(state.get("vmax", np.zeros_like(p)), v)
+        v = state["vmax"]
+    denom = np.sqrt(v) / math.sqrt(1 - beta2**step) + eps
+    return p + (m / denom) * -(lr / (1 - beta1**step))
+
+
+@pytest.mark.parametrize("case", OPTIMIZER_CASES, ids=case_id)
+def test_steps_are_bitwise_the_out_of_place_formula(case: tuple[str, dict[str, Any]]) -> None:
+    # float32 makes every rounding visible: the in-place updates (``out=`` into scratch
+    # arrays) must give exactly the bits of the expressions written out of place.
+    name, kwargs = case
+    rng = np.random.default_rng(5)
+    arrays = [rng.standard_normal(shape).astype(np.float32) for shape in SHAPES]
+    params = [nn.Parameter(ag.tensor(a)) for a in arrays]
+    optimizer = getattr(optim, name)(params, **kwargs)
+    expected = [a.copy() for a in arrays]
+    states: list[dict[str, Any]] = [{} for _ in arrays]
+    for _ in range(4):
+        grads = [rng.standard_normal(shape).astype(np.float32) for shape in SHAPES]
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = ag.tensor(grad)
+        optimizer.step()
+        for i, grad in enumerate(grads):
+            expected[i] = _reference_step(name, kwargs, expected[i], grad, states[i])
+            got = to_numpy(params[i].detach())
+            assert got.dtype == np.float32
+            np.testing.assert_array_equal(got, np.asarray(expected[i], np.float32))
+        for param, grad in zip(params, grads, strict=True):  # the gradients stay untouched
+            np.testing.assert_array_equal(to_numpy(param.grad), grad)
+    assert not np.array_equal(to_numpy(params[0].detach()), arrays[0])
 
 
 def test_param_groups_match_torch(torch: Any) -> None:

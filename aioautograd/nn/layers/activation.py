@@ -8,10 +8,17 @@ from aioautograd.tensor import Tensor
 
 
 class ReLU(Module):
-    """Elementwise ``max(x, 0)``."""
+    """Elementwise ``max(x, 0)``; ``inplace=True`` overwrites the input (``relu_``)."""
+
+    def __init__(self, inplace: bool = False) -> None:
+        super().__init__()
+        self.inplace = inplace
 
     def forward(self, input: Tensor) -> Tensor:
-        return F.relu(input)
+        return F.relu(input, inplace=self.inplace)
+
+    def extra_repr(self) -> str:
+        return "inplace=True" if self.inplace else ""
 
 
 class GELU(Module):
