@@ -9,6 +9,7 @@ fixtures' finalizers whatever happens to the test.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import datetime
 import ipaddress
@@ -128,6 +129,9 @@ class World:
                     codes[name] = await asyncio.to_thread(proc.wait, 15)
                 except subprocess.TimeoutExpired:
                     codes[name] = None
+                    proc.send_signal(signal.SIGABRT)  # its stacks go to its log
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        await asyncio.to_thread(proc.wait, 5)
             self.kill_all()
         return codes
 
@@ -212,7 +216,9 @@ async def start_world(
         with log.open("wb") as out:
             # Popen, not asyncio: the finalizer must be able to kill it without a loop.
             world.procs[name] = subprocess.Popen(  # noqa: ASYNC220
-                [sys.executable, "-m", "tests.distributed.worker_main"],
+                # -X faulthandler: a worker that hangs past close() dumps its threads' stacks
+                # into its log on SIGABRT (see World.close).
+                [sys.executable, "-X", "faulthandler", "-m", "tests.distributed.worker_main"],
                 cwd=REPO,
                 env=env,
                 stdin=subprocess.DEVNULL,
