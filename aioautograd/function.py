@@ -97,12 +97,11 @@ class BackwardCFunction(Node, FunctionCtx):
         return unpack_arrays(saved, self) if saved else ()
 
     def apply(self, grads: Grads) -> Sequence[Tensor | None]:
-        if self.materialize_grads:
-            for grad in grads:
-                if grad is None:
-                    if _materialize(self, grads):
-                        return (None,) * len(self._next_edges)
-                    break
+        for grad in grads:  # (materialize_grads, a class attribute, read only when needed)
+            if grad is None:
+                if self.materialize_grads and _materialize(self, grads):
+                    return (None,) * len(self._next_edges)
+                break
         backward = self._forward_cls.backward
         result = backward(self, grads[0]) if len(grads) == 1 else backward(self, *grads)
         if type(result) is tuple and len(result) == len(self._next_edges):
@@ -156,12 +155,11 @@ class _TensorArgsMixin:
 
 class _TensorArgsBackward(_TensorArgsMixin, BackwardCFunction):
     def apply(self, grads: Grads) -> Sequence[Tensor | None]:
-        if self.materialize_grads:
-            for grad in grads:
-                if grad is None:
-                    if _materialize(self, grads):
-                        return (None,) * len(self._next_edges)
-                    break
+        for grad in grads:  # (materialize_grads, a class attribute, read only when needed)
+            if grad is None:
+                if self.materialize_grads and _materialize(self, grads):
+                    return (None,) * len(self._next_edges)
+                break
         backward = self._forward_cls.backward
         result = backward(self, grads[0]) if len(grads) == 1 else backward(self, *grads)
         if type(result) is tuple and len(result) == self._num_args:

@@ -52,8 +52,14 @@ def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTas
         grads = successor.inputs
         first = grads[0]
         if first is not None and first.device is device:
-            top = executor.queue.top_key()
-            if top is None or top <= successor.key:
+            heap = executor.heap  # ReadyQueue.top_key, inlined: an unlocked peek
+            if not heap:
+                return successor
+            try:
+                top = -heap[0][0]
+            except IndexError:  # emptied by another thread since the test
+                return successor
+            if top <= successor.key:
                 return successor
     return engine.dispatch(ready, device)
 

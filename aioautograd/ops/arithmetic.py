@@ -69,7 +69,8 @@ class Mul(Op):
             # Written out twice on purpose: a shared helper over arrays or tensors cost 735
             # instructions per node of the ``chain`` benchmark (benchmarks/callgrind.py,
             # +1.8%); tests/ops/test_op_table.py holds the two equal.
-            a, b = ctx.saved_arrays or (None, None)
+            saved = ctx._saved  # () when both factors were numbers: no property call then
+            a, b = ctx.saved_arrays if saved or saved is None else (None, None)
             g, device = grad.data, grad.device
             return (
                 wrap(g * (b if b is not None else scalar_b), device) if needs[0] else None,
