@@ -20,6 +20,7 @@ Interceptors (:mod:`.interceptors`) are the hook point for distributed autograd.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -27,7 +28,7 @@ import itertools
 import logging
 import traceback
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -59,6 +60,19 @@ if TYPE_CHECKING:
     from aioautograd.tensor import Tensor
 
 logger = logging.getLogger("aioautograd.distributed.rpc")
+
+
+@contextlib.contextmanager
+def call_timeout_names_call(fn: str, dst: WorkerInfo, seconds: float | None) -> Iterator[None]:
+    """Turn the deadline's ``TimeoutError`` into an ``RpcTimeoutError`` that names the call."""
+    try:
+        yield
+    except TimeoutError as exc:
+        if isinstance(exc, RpcTimeoutError):
+            raise
+        raise RpcTimeoutError(
+            f"call of {fn!r} on worker {dst.name!r} timed out after {seconds} s"
+        ) from None
 
 
 @dataclass(slots=True)
@@ -460,24 +474,19 @@ class RpcAgent(ABC):
         inflight = self._inflight.setdefault(dst.name, set())
         inflight.add(task)
         try:
-            async with asyncio.timeout(seconds):
-                try:
-                    return await task
-                except asyncio.CancelledError:
-                    current = asyncio.current_task()
-                    if current is not None and current.cancelling():
-                        raise  # our caller's cancellation, or the timeout
-                    why = self._dead.get(dst.name) or "it shut down or this agent did"
-                    raise WorkerUnavailableError(
-                        f"call of {fn!r} on worker {dst.name!r} failed: the worker is "
-                        f"unavailable ({why})"
-                    ) from None
-        except TimeoutError as exc:
-            if isinstance(exc, RpcTimeoutError):
-                raise
-            raise RpcTimeoutError(
-                f"call of {fn!r} on worker {dst.name!r} timed out after {seconds} s"
-            ) from None
+            with call_timeout_names_call(fn, dst, seconds):
+                async with asyncio.timeout(seconds):
+                    try:
+                        return await task
+                    except asyncio.CancelledError:
+                        current = asyncio.current_task()
+                        if current is not None and current.cancelling():
+                            raise  # our caller's cancellation, or the timeout
+                        why = self._dead.get(dst.name) or "it shut down or this agent did"
+                        raise WorkerUnavailableError(
+                            f"call of {fn!r} on worker {dst.name!r} failed: the worker is "
+                            f"unavailable ({why})"
+                        ) from None
         finally:
             inflight.discard(task)
             task.cancel()

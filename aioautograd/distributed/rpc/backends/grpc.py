@@ -67,7 +67,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     ) from exc
 
 from aioautograd.distributed.rpc import wire
-from aioautograd.distributed.rpc.agent import RpcAgent
+from aioautograd.distributed.rpc.agent import RpcAgent, call_timeout_names_call
 from aioautograd.distributed.rpc.backends.grpc_stream import FRAME, IncomingStream, OutgoingStream
 from aioautograd.distributed.rpc.errors import (
     MalformedMessageError,
@@ -601,14 +601,9 @@ class GrpcAgent(RpcAgent):
             raise WorkerUnavailableError(f"worker {dst.name!r} is dead ({reason})")
         self._calls += 1
         try:
-            async with asyncio.timeout(seconds):
-                return await self._send_request(dst, message, seconds)
-        except TimeoutError as exc:
-            if isinstance(exc, RpcTimeoutError):
-                raise
-            raise RpcTimeoutError(
-                f"call of {fn!r} on worker {dst.name!r} timed out after {seconds} s"
-            ) from None
+            with call_timeout_names_call(fn, dst, seconds):
+                async with asyncio.timeout(seconds):
+                    return await self._send_request(dst, message, seconds)
         finally:
             self._calls -= 1
             idle = self._calls_idle
