@@ -61,7 +61,28 @@ def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTas
                 return successor
             if top <= successor.key:
                 return successor
-    return engine.dispatch(ready, device)
+    # Engine.dispatch for the fan's case, every successor on this device (the caller's
+    # executor serves it): the highest-priority one runs next here unless a task of higher
+    # priority waits; the others go to the queue under one lock, in dispatch's order.
+    local: NodeTask | None = None
+    for successor in ready:
+        grads = successor.inputs
+        first = grads[0] if grads else None
+        if first is None or first.device is not device:
+            return engine.dispatch(ready, device)  # a gradient elsewhere, or none first
+        if local is None or successor.key > local.key:
+            local = successor
+    assert local is not None
+    heap = executor.heap
+    keep = True
+    if heap:
+        try:
+            top = -heap[0][0]
+        except IndexError:  # emptied by another thread since the test
+            top = local.key
+        keep = top <= local.key
+    executor.queue.push_local(ready, local, keep)
+    return local if keep else None
 
 
 def evaluate_function(task: NodeTask, device: Device, reuse: bool = False) -> list[NodeTask] | None:

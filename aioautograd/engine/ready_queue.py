@@ -93,6 +93,23 @@ class ReadyQueue:
         if channel is not None:
             channel.put(None)
 
+    def push_local(self, tasks: list[NodeTask], local: NodeTask, keep: bool) -> None:
+        """Queue every task of ``tasks`` but ``local``, in their order, then ``local`` too
+        unless ``keep``: `Engine.dispatch`'s pushes under one lock, waking no thread (the
+        pushing thread serves this queue)."""
+        heap = self._heap
+        tiebreak = self._tiebreak
+        lock = self._lock
+        lock.acquire()  # (not ``with``: this runs for every node of a fan)
+        try:
+            for task in tasks:
+                if task is not local:
+                    heapq.heappush(heap, (-task.key, next(tiebreak), task))
+            if not keep:
+                heapq.heappush(heap, (-local.key, next(tiebreak), local))
+        finally:
+            lock.release()
+
     def push_call(self, call: Any) -> None:
         """Queue an offloaded call (``Engine.offload``): it runs when no NodeTask waits.
 
