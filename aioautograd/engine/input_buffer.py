@@ -95,7 +95,11 @@ class SlotOrder:
                 self.held = {}
             self.held[(source, output_nr)] = (grad, producer)
             return
-        accumulate(buffer, position, grad, producer, consumer)
+        if producer is None and consumer is None and grad is not None:  # CPU: accumulate's
+            old = buffer[position]
+            buffer[position] = grad if old is None else _sum(old, grad)
+        else:
+            accumulate(buffer, position, grad, producer, consumer)
         k += 1
         held = self.held
         while held and k < len(expected):
@@ -149,7 +153,8 @@ def _sum(old: Tensor, grad: Tensor) -> Tensor:
     gradients were validated against the same input: same shape, dtype and device)."""
     if _grad_enabled_get():
         return old + grad
-    return wrap(old.xp.add(old.data, grad.data), old.device)
+    device = old.device
+    return wrap(device.xp.add(old.data, grad.data), device)
 
 
 def buffer_device(buffer: InputBuffer) -> Device:
