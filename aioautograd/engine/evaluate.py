@@ -348,7 +348,13 @@ def _make_ready(
                         orders = slot_orders(next_node, producers)
                         if orders is not None:
                             graph_task.slot_orders[next_node] = orders
-                _add(graph_task, buffer, next_node, input_nr, node, i, grad, producer)
+                # _add, inlined: a fan's branches all come here
+                orders = graph_task.slot_orders.get(next_node)
+                order = orders[input_nr] if orders is not None else None
+                if order is None:
+                    accumulate(buffer, input_nr, grad, producer, next_node._stream)
+                else:
+                    order.add(buffer, input_nr, node, i, grad, producer, next_node._stream)
         graph_task.outstanding_tasks += len(ready) - 1
         done = graph_task.outstanding_tasks == 0
     finally:

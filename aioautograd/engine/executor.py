@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import heapq
 import os
 import sys
 import threading
@@ -196,7 +197,9 @@ class Executor:
         (a fan) pays this set-up once, not once per node."""
         evaluate_task = _evaluate_task or _load_evaluate_task()
         engine = self.engine
-        queue = self.queue
+        heap = self.heap
+        lock = self.queue._lock
+        heappop = heapq.heappop
         state = worker_state
         budget = self._budget if not state.extra else None
         perf_counter = time.perf_counter
@@ -217,8 +220,15 @@ class Executor:
                     pause_at = state.pause_at
                 if budget is not None and budget.active > budget.cores:  # overdrawn
                     budget.wait_for_core()
-                if task is None and drain:
-                    task = queue.pop_nowait()
+                if task is None and drain and heap:
+                    # ReadyQueue.pop_nowait, inlined (once per node of a fan): checked again
+                    # under the queue's lock
+                    lock.acquire()
+                    try:
+                        if heap:
+                            task = heappop(heap)[2]
+                    finally:
+                        lock.release()
         finally:
             try:
                 if drain:
