@@ -24,7 +24,7 @@ from aioautograd.autograd.saved import describe
 from aioautograd.devices.device import Device
 from aioautograd.engine.graph_task import GraphTask, current_graph_task, enter_graph_task
 from aioautograd.engine.input_buffer import accumulate, slot_orders
-from aioautograd.engine.ready_queue import NodeTask
+from aioautograd.engine.ready_queue import TIE_BITS, NodeTask
 from aioautograd.engine.validate import validate_outputs, validated
 from aioautograd.tensor import Tensor
 
@@ -56,7 +56,7 @@ def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTas
             if not heap:
                 return successor
             try:
-                top = -heap[0][0]
+                top = -(heap[0] >> TIE_BITS)
             except IndexError:  # emptied by another thread since the test
                 return successor
             if top <= successor.key:
@@ -77,7 +77,7 @@ def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTas
     keep = True
     if heap:
         try:
-            top = -heap[0][0]
+            top = -(heap[0] >> TIE_BITS)
         except IndexError:  # emptied by another thread since the test
             top = local.key
         keep = top <= local.key

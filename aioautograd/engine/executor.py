@@ -68,6 +68,7 @@ class Executor:
         # The queue's heap, for the unlocked peek of evaluate_task (a method call per node
         # of a chain cost more than the peek itself).
         self.heap = self.queue._heap
+        self._entries = self.queue._tasks
         self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
         self._busy_lock = threading.Lock()
@@ -199,6 +200,7 @@ class Executor:
         engine = self.engine
         heap = self.heap
         lock = self.queue._lock
+        entries = self._entries
         heappop = heapq.heappop
         state = worker_state
         budget = self._budget if not state.extra else None
@@ -226,7 +228,7 @@ class Executor:
                     lock.acquire()
                     try:
                         if heap:
-                            task = heappop(heap)[2]
+                            task = entries.pop(heappop(heap))
                     finally:
                         lock.release()
         finally:
