@@ -24,7 +24,7 @@ from aioautograd.autograd.saved import describe
 from aioautograd.devices.device import Device
 from aioautograd.engine.graph_task import GraphTask, current_graph_task, enter_graph_task
 from aioautograd.engine.input_buffer import accumulate, slot_orders
-from aioautograd.engine.ready_queue import NodeTask
+from aioautograd.engine.ready_queue import TIE_BITS, NodeTask
 from aioautograd.engine.validate import validate_outputs, validated
 from aioautograd.tensor import Tensor
 
@@ -56,12 +56,33 @@ def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTas
             if not heap:
                 return successor
             try:
-                top = -heap[0][0]
+                top = -(heap[0] >> TIE_BITS)
             except IndexError:  # emptied by another thread since the test
                 return successor
             if top <= successor.key:
                 return successor
-    return engine.dispatch(ready, device)
+    # Engine.dispatch for the fan's case, every successor on this device (the caller's
+    # executor serves it): the highest-priority one runs next here unless a task of higher
+    # priority waits; the others go to the queue under one lock, in dispatch's order.
+    local: NodeTask | None = None
+    for successor in ready:
+        grads = successor.inputs
+        first = grads[0] if grads else None
+        if first is None or first.device is not device:
+            return engine.dispatch(ready, device)  # a gradient elsewhere, or none first
+        if local is None or successor.key > local.key:
+            local = successor
+    assert local is not None
+    heap = executor.heap
+    keep = True
+    if heap:
+        try:
+            top = -(heap[0] >> TIE_BITS)
+        except IndexError:  # emptied by another thread since the test
+            top = local.key
+        keep = top <= local.key
+    executor.queue.push_local(ready, local, keep)
+    return local if keep else None
 
 
 def evaluate_function(task: NodeTask, device: Device, reuse: bool = False) -> list[NodeTask] | None:
@@ -327,7 +348,13 @@ def _make_ready(
                         orders = slot_orders(next_node, producers)
                         if orders is not None:
                             graph_task.slot_orders[next_node] = orders
-                _add(graph_task, buffer, next_node, input_nr, node, i, grad, producer)
+                # _add, inlined: a fan's branches all come here
+                orders = graph_task.slot_orders.get(next_node)
+                order = orders[input_nr] if orders is not None else None
+                if order is None:
+                    accumulate(buffer, input_nr, grad, producer, next_node._stream)
+                else:
+                    order.add(buffer, input_nr, node, i, grad, producer, next_node._stream)
         graph_task.outstanding_tasks += len(ready) - 1
         done = graph_task.outstanding_tasks == 0
     finally:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import heapq
 import os
 import sys
 import threading
@@ -67,6 +68,7 @@ class Executor:
         # The queue's heap, for the unlocked peek of evaluate_task (a method call per node
         # of a chain cost more than the peek itself).
         self.heap = self.queue._heap
+        self._entries = self.queue._tasks
         self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
         self._busy_lock = threading.Lock()
@@ -196,7 +198,10 @@ class Executor:
         (a fan) pays this set-up once, not once per node."""
         evaluate_task = _evaluate_task or _load_evaluate_task()
         engine = self.engine
-        queue = self.queue
+        heap = self.heap
+        lock = self.queue._lock
+        entries = self._entries
+        heappop = heapq.heappop
         state = worker_state
         budget = self._budget if not state.extra else None
         perf_counter = time.perf_counter
@@ -217,8 +222,15 @@ class Executor:
                     pause_at = state.pause_at
                 if budget is not None and budget.active > budget.cores:  # overdrawn
                     budget.wait_for_core()
-                if task is None and drain:
-                    task = queue.pop_nowait()
+                if task is None and drain and heap:
+                    # ReadyQueue.pop_nowait, inlined (once per node of a fan): checked again
+                    # under the queue's lock
+                    lock.acquire()
+                    try:
+                        if heap:
+                            task = entries.pop(heappop(heap))
+                    finally:
+                        lock.release()
         finally:
             try:
                 if drain:

@@ -65,12 +65,15 @@ class SlotOrder:
     ones before it are in. Two gradients need no order (``a + b == b + a``).
     """
 
-    __slots__ = ("expected", "held", "next")
+    __slots__ = ("expected", "held", "next", "owned")
 
     def __init__(self, expected: list[tuple[Node, int]]) -> None:
         self.expected = expected  # (producer, its output index), in summation order
         self.next = 0
         self.held: dict[tuple[Node, int], tuple[Tensor | None, Stream | None]] | None = None
+        # The slot holds a sum this order made (a fresh array nobody else sees): on CPU
+        # without create_graph the next terms are added into it in place.
+        self.owned = False
 
     def add(
         self,
@@ -95,7 +98,10 @@ class SlotOrder:
                 self.held = {}
             self.held[(source, output_nr)] = (grad, producer)
             return
-        accumulate(buffer, position, grad, producer, consumer)
+        if producer is None and consumer is None and grad is not None:  # CPU
+            self._add_cpu(buffer, position, grad)
+        else:
+            accumulate(buffer, position, grad, producer, consumer)
         k += 1
         held = self.held
         while held and k < len(expected):
@@ -105,6 +111,20 @@ class SlotOrder:
             accumulate(buffer, position, term[0], term[1], consumer)
             k += 1
         self.next = k
+
+    def _add_cpu(self, buffer: InputBuffer, position: int, grad: Tensor) -> None:
+        old = buffer[position]
+        if old is None:
+            buffer[position] = grad
+        elif _grad_enabled_get():  # create_graph: the sum is recorded
+            buffer[position] = old + grad
+            self.owned = False
+        elif self.owned:
+            data = old.data
+            old.device.xp.add(data, grad.data, out=data)  # the same ufunc as _sum: same bits
+        else:
+            buffer[position] = _sum(old, grad)
+            self.owned = True
 
 
 def slot_orders(node: Node, producers: list[Node]) -> list[SlotOrder | None] | None:
@@ -149,7 +169,8 @@ def _sum(old: Tensor, grad: Tensor) -> Tensor:
     gradients were validated against the same input: same shape, dtype and device)."""
     if _grad_enabled_get():
         return old + grad
-    return wrap(old.xp.add(old.data, grad.data), old.device)
+    device = old.device
+    return wrap(device.xp.add(old.data, grad.data), device)
 
 
 def buffer_device(buffer: InputBuffer) -> Device:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from aioautograd.autograd.node import AccumulateGrad
 from aioautograd.tensor import Tensor
 
 if TYPE_CHECKING:
@@ -60,7 +61,14 @@ def validated(
         if next_node is not None and grad is not None:
             # The common case, checked first: an array of the expected shape, dtype and
             # device (dtypes of NumPy results are usually the same object).
-            shape, dtype, device = next_node._input_metadata[input_nr]
+            if type(next_node) is AccumulateGrad:
+                # Its metadata, read live from the leaf without building the property's list
+                # (a fan's branches all feed one leaf).
+                variable = next_node.variable
+                leaf = variable.data
+                shape, dtype, device = leaf.shape, leaf.dtype, variable.device
+            else:
+                shape, dtype, device = next_node._input_metadata[input_nr]
             if type(grad) is not Tensor or not (
                 grad.device is device
                 and (data := grad.data).shape == shape

@@ -391,6 +391,61 @@ async def test_gradients_into_one_input_sum_in_a_fixed_order(release: tuple[int,
     np.testing.assert_array_equal(x.grad.data, np.ones(4, dtype=np.float32))
 
 
+class Keeps(ag.Function):
+    """Identity whose backward returns ``grad * scale`` and keeps that tensor (as a user
+    holding on to a gradient it produced)."""
+
+    kept: ClassVar[list[tuple[ag.Tensor, np.ndarray]]] = []
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad * ctx.scale
+        Keeps.kept.append((out, np.array(out.data, copy=True)))
+        return out, None
+
+
+@pytest.mark.parametrize("shape", [(), (3,)])
+async def test_a_fixed_order_sum_leaves_the_gradients_it_adds_untouched(
+    shape: tuple[int, ...],
+) -> None:
+    # Five gradients into one input: the engine sums them into an array of its own (in
+    # place after the first sum), never into one a node returned.
+    Keeps.kept = []
+    x = ag.tensor(np.full(shape, 2.0, dtype=np.float32), requires_grad=True)
+    scales = (1.0, 3.0, 0.5, -2.0, 7.0)
+    total = sum(Keeps.apply(x, scale) for scale in scales)
+    await asyncio.wait_for(total.sum().backward(), 10)
+    assert len(Keeps.kept) == 5
+    for tensor, value in Keeps.kept:
+        np.testing.assert_array_equal(tensor.data, value)
+    assert x.grad is not None
+    np.testing.assert_array_equal(x.grad.data, np.full(shape, sum(scales), dtype=np.float32))
+    # A second pass over a new graph gives the same bits (nothing shared between passes).
+    first = np.array(x.grad.data, copy=True)
+    x.grad = None
+    total = sum(Keeps.apply(x, scale) for scale in scales)
+    await asyncio.wait_for(total.sum().backward(), 10)
+    assert x.grad.data.tobytes() == first.tobytes()
+
+
+async def test_a_fixed_order_sum_under_create_graph_is_differentiable() -> None:
+    # f = sum_k (c_k x)^2: df/dx = 2 x sum c_k^2 gathers four gradients into x's input;
+    # under create_graph that sum is recorded, so d(sum df/dx)/dx = 2 sum c_k^2.
+    factors = (1.0, -2.0, 0.5, 3.0)
+    x = ag.tensor(np.array([1.5, -0.25], dtype=np.float64), requires_grad=True)
+    f = sum(((x * c) ** 2).sum() for c in factors)
+    (g,) = await asyncio.wait_for(ag.grad(f, [x], create_graph=True), 10)
+    expected = 2 * sum(c * c for c in factors)
+    assert_close(g.data, expected * x.data)
+    (gg,) = await asyncio.wait_for(ag.grad(g.sum(), [x]), 10)
+    assert_close(gg.data, np.full(2, expected))
+
+
 async def test_1000_concurrent_passes_give_bitwise_the_sequential_gradients() -> None:
     rng = np.random.default_rng(0)
     datas = [rng.standard_normal(64).astype(np.float32) for _ in range(1000)]
