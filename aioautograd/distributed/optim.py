@@ -152,6 +152,21 @@ class DistributedOptimizer:
             check_awaited()
         await self.wait()
         agent = current_agent()
-        await asyncio.gather(
-            *(agent.call(rref.owner(), STEP, (rref, context_id)) for rref in self.remote_optimizers)
-        )
+        # The other owners' steps are sent first; this worker's own optimizer then steps
+        # here, in this task (PyTorch sends an RPC to itself: the same work, plus a copy of
+        # the message and a task), while their requests travel.
+        remote = [
+            agent.call_soon(rref.owner(), STEP, (rref, context_id))
+            for rref in self.remote_optimizers
+            if not rref.is_owner()
+        ]
+        try:
+            for rref in self.remote_optimizers:
+                if rref.is_owner():
+                    rref.local_value().step(context_id)
+        finally:
+            # Every step finishes (or fails) before this returns, as PyTorch waits for all.
+            results = await asyncio.gather(*remote, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
