@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +16,10 @@ import aioautograd as ag
 from aioautograd import optim
 from aioautograd.distributed import autograd as dist_autograd
 from aioautograd.distributed import rpc
-from aioautograd.distributed.autograd.dist_engine import container_of
+from aioautograd.distributed.autograd.dist_engine import RELEASE, container_of
 from aioautograd.distributed.optim import STEP, DistributedOptimizer
 from aioautograd.distributed.rpc.agent import RpcAgent
+from aioautograd.distributed.rpc.worker import current_agent
 from aioautograd.engine.engine import Engine
 from tests.distributed import dist_fns
 from tests.distributed.conftest import FAST_HEARTBEAT, World, in_fresh_context, start_world
@@ -147,6 +149,32 @@ async def test_a_small_distributed_backward_stays_on_the_event_loop(
     expected = await _reference(x, [w0, w1, w2], ["linear", "linear", "loss"])
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-14)
+    await _assert_clean(world)
+
+
+async def test_a_release_that_fails_is_logged_and_the_context_still_leaves(
+    world: World, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Leaving a context that one worker knows: its release is awaited, and a failure to reach
+    # that worker is logged, not raised (the context is gone here either way).
+    k1 = await _place("worker1", _array(3, 2))
+    call = RpcAgent.call
+
+    async def unreachable_release(self: RpcAgent, to: object, fn: object, *args: object) -> object:
+        if fn == RELEASE:
+            raise rpc.WorkerUnavailableError("worker1 is unreachable (test)")
+        return await call(self, to, fn, *args)  # type: ignore[arg-type]
+
+    with caplog.at_level(logging.WARNING, logger="aioautograd.distributed.autograd"):
+        async with dist_autograd.context() as context_id:
+            x = ag.tensor(_array(4, 3), requires_grad=True)
+            await rpc.rpc_async("worker1", dist_fns.linear, args=(k1, x))
+            monkeypatch.setattr(RpcAgent, "call", unreachable_release)
+    monkeypatch.undo()
+    assert f"could not release autograd context {context_id} on worker 'worker1'" in caplog.text
+    assert dist_autograd.get_debug_info()["num_autograd_contexts"] == 0
+    assert await rpc.rpc_async("worker1", dist_fns.has_context, args=(context_id,))
+    await current_agent().call("worker1", RELEASE, (context_id,))
     await _assert_clean(world)
 
 
