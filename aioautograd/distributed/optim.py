@@ -136,7 +136,13 @@ class DistributedOptimizer:
             RemoteError: an owner failed to create its optimizer (its name and message).
         """
         creations = [rref._creation for rref in self.remote_optimizers]
-        await asyncio.gather(*(task for task in creations if task is not None))
+        pending = [task for task in creations if task is not None]
+        if all(task.done() for task in pending):
+            # Every step after the first: no gather (its callbacks cost loop iterations).
+            for task in pending:
+                task.result()  # the first creation error, as gather raises it
+            return self
+        await asyncio.gather(*pending)
         return self
 
     async def step(self, context_id: int) -> None:
@@ -166,7 +172,16 @@ class DistributedOptimizer:
                     rref.local_value().step(context_id)
         finally:
             # Every step finishes (or fails) before this returns, as PyTorch waits for all.
-            results = await asyncio.gather(*remote, return_exceptions=True)
+            if len(remote) == 1:  # two workers: await the one call, no gather around it
+                results: list[BaseException | None] = [None]
+                try:
+                    await remote[0]
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    results = [exc]
+            else:
+                results = await asyncio.gather(*remote, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
