@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -210,3 +214,35 @@ async def test_model_parallel_script(capsys: pytest.CaptureFixture[str]) -> None
     assert line["warmup"] == 1
     assert table is not None
     assert "0 (3 steps)" in table
+
+
+@pytest.mark.timeout(60)
+def test_model_parallel_profile_script() -> None:
+    # benchmarks/model_parallel_profile.py on the local backend (its own process: it counts
+    # the iterations of the loop it runs on), a few steps; no timing checked.
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "model_parallel_profile.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run(
+        [sys.executable, str(script), "--steps", "3", "--warmup", "1"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env=env,
+        check=True,
+    )
+    (line,) = [json.loads(text) for text in done.stdout.splitlines() if text.startswith("{")]
+    assert line["backend"] == "local"
+    assert line["steps"] == 3
+    assert set(line["phase_median_us"]) == {
+        "first_layer",
+        "forward_rpc",
+        "loss",
+        "backward",
+        "optimizer",
+        "release",
+    }
+    assert all(value > 0 for value in line["phase_median_us"].values())
+    counts = line["per_step"]["process"]
+    assert counts["cpu_ms"] > 0
+    assert counts["loop_iterations"] > 0
+    assert counts["tasks"] > 0

@@ -136,7 +136,13 @@ class DistributedOptimizer:
             RemoteError: an owner failed to create its optimizer (its name and message).
         """
         creations = [rref._creation for rref in self.remote_optimizers]
-        await asyncio.gather(*(task for task in creations if task is not None))
+        pending = [task for task in creations if task is not None]
+        if all(task.done() for task in pending):
+            # Every step after the first: no gather (its callbacks cost loop iterations).
+            for task in pending:
+                task.result()  # the first creation error, as gather raises it
+            return self
+        await asyncio.gather(*pending)
         return self
 
     async def step(self, context_id: int) -> None:
@@ -152,6 +158,30 @@ class DistributedOptimizer:
             check_awaited()
         await self.wait()
         agent = current_agent()
-        await asyncio.gather(
-            *(agent.call(rref.owner(), STEP, (rref, context_id)) for rref in self.remote_optimizers)
-        )
+        # The other owners' steps are sent first; this worker's own optimizer then steps
+        # here, in this task (PyTorch sends an RPC to itself: the same work, plus a copy of
+        # the message and a task), while their requests travel.
+        remote = [
+            agent.call_soon(rref.owner(), STEP, (rref, context_id))
+            for rref in self.remote_optimizers
+            if not rref.is_owner()
+        ]
+        try:
+            for rref in self.remote_optimizers:
+                if rref.is_owner():
+                    rref.local_value().step(context_id)
+        finally:
+            # Every step finishes (or fails) before this returns, as PyTorch waits for all.
+            if len(remote) == 1:  # two workers: await the one call, no gather around it
+                results: list[BaseException | None] = [None]
+                try:
+                    await remote[0]
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    results = [exc]
+            else:
+                results = await asyncio.gather(*remote, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result

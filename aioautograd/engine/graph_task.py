@@ -20,6 +20,7 @@ executors do the math and the bookkeeping::
       |                                                      make successors ready, loop
       | _run_async_node: awaits an async      <--start_async_node (call_soon_threadsafe)--
       |   node's apply as a task               --push_continuation-->  evaluate_function
+      |   (a node without edges or hooks, and one reached inline, stays on the loop)
       | await _done_future                    <--all_tasks_done (call_soon_threadsafe)--
       | exec_post_processing: device wait in a thread, final callbacks (awaited if async)
       v result
@@ -335,10 +336,14 @@ class GraphTask:
             self._done_event.set()
         if self.owner_queue is not None:
             self.owner_queue.wake_all()
-        if self._done_future is not None and self.loop is not None:
+        loop = self.loop
+        if self._done_future is not None and loop is not None:
+            if asyncio._get_running_loop() is loop:  # finished on the loop (an async node)
+                self._resolve_done()
+                return
             # RuntimeError: the caller's loop is closed, so nobody is waiting any more.
             with contextlib.suppress(RuntimeError):
-                self.loop.call_soon_threadsafe(self._resolve_done)
+                loop.call_soon_threadsafe(self._resolve_done)
 
     def _resolve_done(self) -> None:
         future = self._done_future
@@ -396,11 +401,14 @@ class GraphTask:
 
     # -------------------------------------------------------------------- async nodes
     def start_async_node(self, node: Node, inputs: list[Tensor | None]) -> None:
-        """(executor) Run an ``async`` node's ``apply`` as a task on the graph task's event
-        loop."""
+        """(executor or loop) Run an ``async`` node's ``apply`` as a task on the graph task's
+        event loop (at once when called there: inline mode reaches async nodes on the loop)."""
         loop = self.loop
         assert loop is not None
-        loop.call_soon_threadsafe(self._create_async_node_task, node, inputs)
+        if asyncio._get_running_loop() is loop:
+            self._create_async_node_task(node, inputs)
+        else:
+            loop.call_soon_threadsafe(self._create_async_node_task, node, inputs)
 
     def _create_async_node_task(self, node: Node, inputs: list[Tensor | None]) -> None:
         """(loop)"""
@@ -422,6 +430,14 @@ class GraphTask:
             # KeyboardInterrupt and the like too: raised here they would stop the event loop
             # (every other pass on it with it); they are the awaiting caller's to handle.
             self.set_error(exc, node, None, inputs)
+            self.task_finished()
+            return
+        if not node._next_edges and not node._post_hooks:
+            # Nothing to validate, hook or make ready (e.g. distributed autograd's
+            # RecvRpcBackward): account for the task here rather than hand an executor a
+            # task whose only work is this count (two thread wake-ups).
+            if not self.keep_graph:
+                node.release_variables()
             self.task_finished()
             return
         # Validation, hooks and bookkeeping happen on an executor, never on the loop.

@@ -37,11 +37,20 @@ if TYPE_CHECKING:
 def qualifies(task: NodeTask, max_elements: int) -> bool:
     """Whether ``task`` may run inline: library code only, CPU, no user hooks, small."""
     node = task.node
-    if not node.inline or node._stream is not None or node._pre_hooks or node._post_hooks:
+    if (
+        not (node.inline or node.is_async)
+        or node._stream is not None
+        or node._pre_hooks
+        or node._post_hooks
+    ):
         return False
     tensor_hooks = node._tensor_pre_hooks
     if tensor_hooks and any(tensor_hooks.values()):
         return False
+    if node.is_async:
+        # Its apply runs on the loop anyway: started from here, it skips the hand-over to an
+        # executor and back (two thread wake-ups); the graph task completes elsewhere.
+        return all(grad is None or grad.device.type == "cpu" for grad in task.inputs)
     size = 0
     for grad in task.inputs:
         if grad is not None:
@@ -76,6 +85,8 @@ def run_inline(graph_task: GraphTask, first: NodeTask, budget_s: float) -> bool:
     task: NodeTask | None = first
     with numpy.errstate(all=NUMPY_ERRORS):  # as on the executors: see policy.NUMPY_ERRORS
         while task is not None:
+            if task.node.is_async:
+                graph_task.expect_completion_elsewhere()  # its continuation finishes the pass
             # ``reuse``: nothing here holds ``task`` once evaluated (the heap entry is gone).
             ready = evaluate_function(task, CPU, True)
             task = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +16,11 @@ import aioautograd as ag
 from aioautograd import optim
 from aioautograd.distributed import autograd as dist_autograd
 from aioautograd.distributed import rpc
-from aioautograd.distributed.autograd.dist_engine import container_of
-from aioautograd.distributed.optim import DistributedOptimizer
+from aioautograd.distributed.autograd.dist_engine import RELEASE, container_of
+from aioautograd.distributed.optim import STEP, DistributedOptimizer
+from aioautograd.distributed.rpc.agent import RpcAgent
+from aioautograd.distributed.rpc.worker import current_agent
+from aioautograd.engine.engine import Engine
 from tests.distributed import dist_fns
 from tests.distributed.conftest import FAST_HEARTBEAT, World, in_fresh_context, start_world
 
@@ -110,6 +114,67 @@ async def test_pipeline_over_three_workers_with_a_nested_call(world: World) -> N
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-14)
     assert not await rpc.rpc_async("worker3", dist_fns.has_context, args=(context_id,))
+    await _assert_clean(world)
+
+
+async def test_a_small_distributed_backward_stays_on_the_event_loop(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Small passes run inline on the loop: the RecvRpcBackward nodes start there and are
+    # accounted for there when their peer's pass is over, and a pass that a peer's gradient
+    # starts at a SendRpcBackward runs there too. No task goes to the executors (each
+    # hand-over costs two thread wake-ups). A large inline budget keeps a loaded machine from
+    # running out of it mid-pass.
+    monkeypatch.setattr(Engine.get_default_engine(), "inline_budget_s", 30.0)
+    pushed: list[str] = []
+    push = Engine.push
+
+    def counting_push(self: Engine, task: object, *args: object, **kwargs: object) -> None:
+        pushed.append(type(task.node).__name__)  # type: ignore[attr-defined]
+        push(self, task, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Engine, "push", counting_push)
+    x, w0, w1, w2 = _array(3, 4), _array(4, 5), _array(5, 3), _array(3, 2)
+    k1, k2 = await _place("worker1", w1), await _place("worker2", w2)
+    p0 = ag.tensor(w0.copy(), requires_grad=True)
+    async with dist_autograd.context() as context_id:
+        h = (ag.tensor(x) @ p0).tanh()
+        h = await rpc.rpc_async("worker1", dist_fns.linear, args=(k1, h))
+        loss = await rpc.rpc_async("worker2", dist_fns.square_loss, args=(k2, h))
+        await dist_autograd.backward(context_id, [loss])
+        got = [dist_autograd.get_gradients(context_id)[p0].numpy()]
+        for worker, key in (("worker1", k1), ("worker2", k2)):
+            got.append(await rpc.rpc_async(worker, dist_fns.context_grad, args=(key, context_id)))
+    assert pushed == []
+    expected = await _reference(x, [w0, w1, w2], ["linear", "linear", "loss"])
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-14)
+    await _assert_clean(world)
+
+
+async def test_a_release_that_fails_is_logged_and_the_context_still_leaves(
+    world: World, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Leaving a context that one worker knows: its release is awaited, and a failure to reach
+    # that worker is logged, not raised (the context is gone here either way).
+    k1 = await _place("worker1", _array(3, 2))
+    call = RpcAgent.call
+
+    async def unreachable_release(self: RpcAgent, to: object, fn: object, *args: object) -> object:
+        if fn == RELEASE:
+            raise rpc.WorkerUnavailableError("worker1 is unreachable (test)")
+        return await call(self, to, fn, *args)  # type: ignore[arg-type]
+
+    with caplog.at_level(logging.WARNING, logger="aioautograd.distributed.autograd"):
+        async with dist_autograd.context() as context_id:
+            x = ag.tensor(_array(4, 3), requires_grad=True)
+            await rpc.rpc_async("worker1", dist_fns.linear, args=(k1, x))
+            monkeypatch.setattr(RpcAgent, "call", unreachable_release)
+    monkeypatch.undo()
+    assert f"could not release autograd context {context_id} on worker 'worker1'" in caplog.text
+    assert dist_autograd.get_debug_info()["num_autograd_contexts"] == 0
+    assert await rpc.rpc_async("worker1", dist_fns.has_context, args=(context_id,))
+    await current_agent().call("worker1", RELEASE, (context_id,))
     await _assert_clean(world)
 
 
@@ -307,6 +372,48 @@ async def test_distributed_optimizer_matches_local_training(world: World) -> Non
         rtol=1e-10,
     )
     assert await rpc.rpc_async("worker1", dist_fns.param_grad_attr, args=(k1,)) is None
+    await _assert_clean(world)
+
+
+async def test_distributed_optimizer_steps_its_own_parameters_without_a_call_to_itself(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The owner's own optimizer steps in the caller's task (PyTorch sends an RPC to itself);
+    # the other owners' steps go over RPC, sent before the local step runs.
+    sent: list[tuple[str, str]] = []
+    prepare = RpcAgent._prepare
+
+    def recording_prepare(self: RpcAgent, to: object, fn: object, *args: object) -> object:
+        sent.append((self.worker_info(to).name, rpc.registry.name_of(fn)))  # type: ignore[arg-type]
+        return prepare(self, to, fn, *args)  # type: ignore[arg-type]
+
+    w0, w1, x = _array(3, 2), _array(2, 1), _array(4, 3)
+    k1 = await _place("worker1", w1)
+    p0 = ag.tensor(w0.copy(), requires_grad=True)
+    rrefs = [rpc.RRef(p0), await rpc.rpc_async("worker1", dist_fns.param_rref, args=(k1,))]
+    optimizer = await DistributedOptimizer(optim.SGD, rrefs, lr=0.5)
+    monkeypatch.setattr(RpcAgent, "_prepare", recording_prepare)
+    async with dist_autograd.context() as context_id:
+        h = ag.tensor(x) @ p0
+        loss = await rpc.rpc_async("worker1", dist_fns.square_loss, args=(k1, h))
+        await dist_autograd.backward(context_id, [loss])
+        g0 = dist_autograd.get_gradients(context_id)[p0].numpy().copy()
+        g1 = await rpc.rpc_async("worker1", dist_fns.context_grad, args=(k1, context_id))
+        await optimizer.step(context_id)
+    steps = [to for to, fn in sent if fn == STEP]
+    assert steps == ["worker1"]
+    np.testing.assert_allclose(p0.detach().numpy(), w0 - 0.5 * g0, rtol=1e-12)
+    np.testing.assert_allclose(
+        await rpc.rpc_async("worker1", dist_fns.param_value, args=(k1,)), w1 - 0.5 * g1, rtol=1e-12
+    )
+    # A failure of the local step (an unknown context here and there) is raised once the
+    # remote step has finished too; the optimizer keeps working afterwards.
+    with pytest.raises(RuntimeError, match="autograd context"):
+        await optimizer.step(12345)
+    async with dist_autograd.context() as context_id:
+        loss = await rpc.rpc_async("worker1", dist_fns.square_loss, args=(k1, ag.tensor(x) @ p0))
+        await dist_autograd.backward(context_id, [loss])
+        await optimizer.step(context_id)
     await _assert_clean(world)
 
 

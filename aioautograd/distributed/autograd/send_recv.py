@@ -25,6 +25,8 @@ class SendRpcBackward(Node):
 
     __slots__ = ()
 
+    inline = True  # library code only: a small pass from here may run on the loop
+
     def __init__(self, tensors: Sequence[Tensor]) -> None:
         super().__init__(tuple(tensor._gradient_edge() for tensor in tensors))
         for tensor in tensors:

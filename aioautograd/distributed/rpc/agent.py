@@ -87,6 +87,12 @@ class _Outgoing:
     objects: list[Any]
 
 
+def _decode_worker_info(fields: list[Any]) -> WorkerInfo:
+    if len(fields) != 2 or not isinstance(fields[0], str) or not isinstance(fields[1], int):
+        raise MalformedMessageError("malformed message: bad WorkerInfo")
+    return WorkerInfo(fields[0], fields[1])
+
+
 class RpcAgent(ABC):
     """One worker's RPC endpoint. Created by :func:`~aioautograd.distributed.rpc.init_rpc`.
 
@@ -119,6 +125,9 @@ class RpcAgent(ABC):
         self._workers: dict[str, WorkerInfo] = {}
         self._by_id: dict[int, WorkerInfo] = {}
         self._interceptors: dict[str, RpcInterceptor] = {}
+        self._interceptor_items: tuple[tuple[str, RpcInterceptor], ...] = ()
+        self._is_coroutine: dict[Callable[..., Any], bool] = {}
+        self._decoders: dict[int, wire.ExtDecoder] | None = None
         self._call_ids = itertools.count()
         self._directory_ready = asyncio.Event()
         self._stopped = False
@@ -321,15 +330,16 @@ class RpcAgent(ABC):
     def add_interceptor(self, name: str, interceptor: RpcInterceptor) -> None:
         """Install ``interceptor`` under ``name`` (its metadata key); replaces any previous."""
         self._interceptors[name] = interceptor
+        self._interceptor_items = tuple(self._interceptors.items())
 
     def get_interceptor(self, name: str) -> RpcInterceptor | None:
         """The interceptor installed under ``name``, if any."""
         return self._interceptors.get(name)
 
     def _send_hook(self, info: MessageInfo) -> Callable[[list[Tensor]], wire.Metadata] | None:
-        if not self._interceptors:
+        interceptors = self._interceptor_items
+        if not interceptors:
             return None
-        interceptors = list(self._interceptors.items())
 
         def hook(tensors: list[Tensor]) -> wire.Metadata:
             metadata = {}
@@ -344,9 +354,9 @@ class RpcAgent(ABC):
     def _receive_hook(
         self, info: MessageInfo, metadata: wire.Metadata
     ) -> Callable[[list[Tensor]], list[Tensor]] | None:
-        if not self._interceptors:
+        interceptors = self._interceptor_items
+        if not interceptors:
             return None
-        interceptors = list(self._interceptors.items())
 
         def hook(tensors: list[Tensor]) -> list[Tensor]:
             for name, interceptor in interceptors:
@@ -360,13 +370,16 @@ class RpcAgent(ABC):
     ) -> dict[int, wire.ExtDecoder]:
         # ``pending``: collects the futures of received RRefs this worker owns whose value
         # is still being created (the callee waits for them before running the function).
-        def worker_info(fields: list[Any]) -> WorkerInfo:
-            if len(fields) != 2 or not isinstance(fields[0], str) or not isinstance(fields[1], int):
-                raise MalformedMessageError("malformed message: bad WorkerInfo")
-            return WorkerInfo(fields[0], fields[1])
-
+        if pending is None:
+            decoders = self._decoders
+            if decoders is None:
+                decoders = self._decoders = {
+                    wire.EXT_WORKER_INFO: _decode_worker_info,
+                    wire.EXT_RREF: functools.partial(self.rrefs.from_wire, pending=None),
+                }
+            return decoders
         return {
-            wire.EXT_WORKER_INFO: worker_info,
+            wire.EXT_WORKER_INFO: _decode_worker_info,
             wire.EXT_RREF: functools.partial(self.rrefs.from_wire, pending=pending),
         }
 
@@ -572,7 +585,7 @@ class RpcAgent(ABC):
                 and len(payload) == 2
                 and isinstance(payload[0], list)
                 and isinstance(payload[1], dict)
-                and all(isinstance(key, str) for key in payload[1])
+                and (not payload[1] or all(isinstance(key, str) for key in payload[1]))
             ):
                 raise MalformedMessageError("malformed request: expected [args, kwargs]")
             args, kwargs = payload
@@ -611,7 +624,13 @@ class RpcAgent(ABC):
         return response
 
     async def _invoke(self, fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> Any:
-        if inspect.iscoroutinefunction(fn):
+        try:
+            is_coroutine = self._is_coroutine.get(fn)
+        except TypeError:  # an unhashable callable object (allow-listed)
+            is_coroutine = inspect.iscoroutinefunction(fn)
+        if is_coroutine is None:  # registered and allowed functions: a handful per worker
+            is_coroutine = self._is_coroutine[fn] = inspect.iscoroutinefunction(fn)
+        if is_coroutine:
             return await fn(*args, **kwargs)
         context = contextvars.copy_context()
         call = functools.partial(context.run, fn, *args, **kwargs)

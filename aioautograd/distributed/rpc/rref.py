@@ -221,6 +221,9 @@ class RRef(Generic[T]):
         """
         if self._state is not None:
             seconds = self._agent._timeout(timeout)
+            if self._state.future.done():  # the common case: no timeout scope to set up
+                value: T = self._state.future.result()
+                return value
             try:
                 async with asyncio.timeout(seconds):
                     return await asyncio.shield(self._state.future)
@@ -230,8 +233,8 @@ class RRef(Generic[T]):
                 raise RpcTimeoutError(f"RRef value not ready after {seconds} s") from None
         if self._creation is not None:
             await asyncio.shield(self._creation)
-        value: T = await self._agent.call(self._owner, FETCH, self._rref_id, timeout=timeout)
-        return value
+        fetched: T = await self._agent.call(self._owner, FETCH, self._rref_id, timeout=timeout)
+        return fetched
 
     def to_here_sync(self, timeout: float | None = None) -> T:
         """Blocking :meth:`to_here`, for plain functions on worker threads (not on the loop)."""

@@ -102,6 +102,8 @@ _ALLOWED_DTYPES = frozenset(
     )
 )
 
+_DTYPES = {name: np.dtype(name) for name in _ALLOWED_DTYPES}
+
 # Anything with the buffer protocol: bytes, bytearray, memoryview, a uint8 ndarray.
 Buffer: TypeAlias = Any
 # Metadata that interceptors attach to a message, by interceptor name.
@@ -310,7 +312,7 @@ def encode(
 # ----------------------------------------------------------------------------------- decode
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Header:
     """The validated header of a received message."""
 
@@ -350,44 +352,54 @@ def decode_header(message: Message) -> Header:
         )
     except Exception as exc:
         raise MalformedMessageError(f"malformed message header: {exc}") from None
-    raw = _expect(raw, (dict,), "the header")
-    kind = _expect(raw.get("k"), (int,), "'k'")
-    if kind not in (REQUEST, RESPONSE, ERROR):
+    # Exact type checks first (msgpack makes exactly these types): the common case costs a
+    # few comparisons; anything else goes through _expect, which names what is wrong.
+    if type(raw) is not dict:
+        _expect(raw, (dict,), "the header")
+    get = raw.get
+    kind = get("k")
+    if kind not in (REQUEST, RESPONSE, ERROR) or type(kind) is not int:
+        _expect(kind, (int,), "'k'")
         raise MalformedMessageError(f"malformed message: unknown kind {kind}")
-    function = raw.get("fn")
-    if kind == REQUEST:
+    call_id = get("id")
+    if type(call_id) is not int:
+        _expect(call_id, (int,), "'id'")
+    src = get("src")
+    if type(src) is not str:
+        _expect(src, (str,), "'src'")
+    function = get("fn")
+    if kind == REQUEST and type(function) is not str:
         _expect(function, (str,), "'fn'")
-    rref = raw.get("rref")
+    rref = get("rref")
     if rref is not None:
         rref = _expect(rref, (list,), "'rref'")
-        if len(rref) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in rref):
+        if len(rref) != 2 or not all(type(x) is int for x in rref):
             raise MalformedMessageError("malformed message: 'rref' is not two integers")
         rref = (rref[0], rref[1])
-    timeout = raw.get("to")
+    timeout = get("to")
     if timeout is not None:
         timeout = float(_expect(timeout, (int, float), "'to'"))
-    error = raw.get("e")
+    error = get("e")
     if kind == ERROR:
         error = _expect(error, (dict,), "'e'")
         for key in ("type", "message", "worker", "traceback"):
             _expect(error.get(key), (str,), f"'e.{key}'")
-    table = _expect(raw.get("t", []), (list,), "'t'")
+    table = get("t", [])
+    if type(table) is not list:
+        _expect(table, (list,), "'t'")
     if len(table) != len(message.buffers):
         raise MalformedMessageError(
             f"malformed message: {len(table)} arrays described, {len(message.buffers)} sent"
         )
-    return Header(
-        kind=kind,
-        call_id=_expect(raw.get("id"), (int,), "'id'"),
-        src=_expect(raw.get("src"), (str,), "'src'"),
-        function=function,
-        rref=rref,
-        timeout=timeout,
-        metadata=_expect(raw.get("m", {}), (dict,), "'m'"),
-        table=table,
-        payload=_expect(raw.get("p", b"\xc0"), (bytes,), "'p'"),
-        error=error,
-    )
+    metadata = get("m")
+    if metadata is None:
+        metadata = {}
+    elif type(metadata) is not dict:
+        _expect(metadata, (dict,), "'m'")
+    payload = get("p", b"\xc0")
+    if type(payload) is not bytes:
+        _expect(payload, (bytes,), "'p'")
+    return Header(kind, call_id, src, function, rref, timeout, metadata, table, payload, error)
 
 
 def _parse_entry(
@@ -399,9 +411,9 @@ def _parse_entry(
     kind, dtype_name, shape, device_name, requires_grad = entry
     if kind not in (KIND_TENSOR, KIND_NDARRAY, KIND_SCALAR):
         raise MalformedMessageError(f"malformed message: unknown array kind {kind!r}")
-    if dtype_name not in _ALLOWED_DTYPES:
+    dtype = _DTYPES.get(dtype_name) if type(dtype_name) is str else None
+    if dtype is None:
         raise MalformedMessageError(f"malformed message: dtype {dtype_name!r} is not accepted")
-    dtype = np.dtype(dtype_name)
     shape = _expect(shape, (list,), "an array shape")
     if len(shape) > _MAX_NDIM or not all(
         isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape

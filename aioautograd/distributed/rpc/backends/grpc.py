@@ -212,12 +212,21 @@ class _Budget:
         self.used_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
-    async def acquire(self, nbytes: int) -> int:
-        """Wait for room for one call of ``nbytes``; returns what :meth:`release` takes."""
+    def try_acquire(self, nbytes: int) -> int | None:
+        """Take room for one call of ``nbytes`` if there is some now (``None``: there is
+        not, :meth:`acquire` waits); returns what :meth:`release` takes."""
         nbytes = min(nbytes, self.nbytes)  # a message over the whole budget goes alone
         if not self._waiters and self._fits(nbytes):
             self._take(nbytes)
             return nbytes
+        return None
+
+    async def acquire(self, nbytes: int) -> int:
+        """Wait for room for one call of ``nbytes``; returns what :meth:`release` takes."""
+        held = self.try_acquire(nbytes)
+        if held is not None:
+            return held
+        nbytes = min(nbytes, self.nbytes)
         waiter = asyncio.get_running_loop().create_future()
         entry = (nbytes, waiter)
         self._waiters.append(entry)
@@ -602,8 +611,10 @@ class GrpcAgent(RpcAgent):
         self._calls += 1
         try:
             with call_timeout_names_call(fn, dst, seconds):
-                async with asyncio.timeout(seconds):
-                    return await self._send_request(dst, message, seconds)
+                # The deadline is enforced by _send_request: a timer on the call's future
+                # (cheaper than a timeout scope around it), and a scope around the wait for
+                # room in the in-flight budget.
+                return await self._send_request(dst, message, seconds)
         finally:
             self._calls -= 1
             idle = self._calls_idle
@@ -642,7 +653,11 @@ class GrpcAgent(RpcAgent):
                 f"GrpcOptions.max_message_size ({self.options.max_message_size} bytes): send "
                 "smaller tensors, or raise max_message_size on every worker"
             )
-        held = await self._budget.acquire(size)
+        deadline = None if seconds is None else self.loop.time() + seconds
+        held = self._budget.try_acquire(size)
+        if held is None:
+            async with asyncio.timeout_at(deadline):
+                held = await self._budget.acquire(size)
         try:
             reason = self._dead.get(dst.name)  # it died while this call waited for room
             if reason is not None:
@@ -654,7 +669,7 @@ class GrpcAgent(RpcAgent):
             stream = self._streams.get(dst.name)
             if stream is None:
                 stream = self._open_stream(dst.name)
-            return await stream.request(message)
+            return await stream.request(message, deadline)
         finally:
             self._budget.release(held)
 

@@ -64,6 +64,11 @@ def parse_status(data: bytes) -> tuple[Any, str]:
     return code, details.decode(errors="replace")
 
 
+def _expire(future: asyncio.Future[bytes]) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())
+
+
 class OutgoingStream:
     """The stream this worker opened to one peer: sends requests, matches the responses.
 
@@ -97,24 +102,34 @@ class OutgoingStream:
         """True once the stream failed or was closed (later calls open a new one)."""
         return self._closed
 
-    async def request(self, message: wire.Message) -> wire.Message:
+    async def request(self, message: wire.Message, deadline: float | None = None) -> wire.Message:
         """Send one request and return its response.
+
+        ``deadline`` (loop time): past it, the call fails with ``TimeoutError`` and the
+        callee is told to cancel its handler.
 
         Raises:
             RpcError: the mapped gRPC status when the call or the whole stream failed.
+            TimeoutError: the deadline passed.
         """
         if self._closed:
             raise self._cancelled_error()
         call_id = next(self._ids)
-        future: asyncio.Future[bytes] = self._agent.loop.create_future()
+        loop = self._agent.loop
+        future: asyncio.Future[bytes] = loop.create_future()
         self._pending[call_id] = future
         self._send(message.to_bytes(lead=FRAME.pack(REQUEST, call_id)))
+        # A timer on the future rather than a timeout scope on the task: one handle per call.
+        timer = None if deadline is None else loop.call_at(deadline, _expire, future)
         try:
             data = await future
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, TimeoutError):
             if self._pending.pop(call_id, None) is not None and not self._closed:
                 self._send(FRAME.pack(CANCEL, call_id))  # cancels the handler on the callee
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
         if data[0] == STATUS:
             code, details = parse_status(data)
             raise self._agent.status_error(code, details, self.peer)
@@ -150,7 +165,7 @@ class OutgoingStream:
                 await self._wakeup
                 self._wakeup = None
         except grpc.aio.AioRpcError as exc:
-            self._fail(functools.partial(self._agent.map_grpc_error, exc, self.peer))
+            self._fail(functools.partial(self._stream_error, exc))
         except asyncio.InvalidStateError:  # the call ended: the reader reports why
             pass
         except asyncio.CancelledError:
@@ -176,7 +191,7 @@ class OutgoingStream:
                 if future is not None and not future.done():
                     future.set_result(data)
         except grpc.aio.AioRpcError as exc:
-            self._fail(functools.partial(self._agent.map_grpc_error, exc, peer))
+            self._fail(functools.partial(self._stream_error, exc))
             return
         except MalformedMessageError as exc:
             self._fail(functools.partial(MalformedMessageError, str(exc)))
@@ -190,6 +205,16 @@ class OutgoingStream:
             self._fail(functools.partial(self._broken_error, exc))
             return
         self._fail(lambda: WorkerUnavailableError(f"worker {peer!r} closed the call stream"))
+
+    def _stream_error(self, exc: grpc.aio.AioRpcError) -> Exception:
+        if exc.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+            # gRPC's own failure of the connection under the stream (e.g. a write to a peer
+            # just killed): the worker is unreachable, whatever the status says.
+            return WorkerUnavailableError(
+                f"the call stream to worker {self.peer!r} broke: {exc.code().name}: {exc.details()}"
+            )
+        error: Exception = self._agent.map_grpc_error(exc, self.peer)
+        return error
 
     def _call_cancelled(self) -> bool:
         # grpc.aio raises CancelledError from a read or write of a call cancelled under it
