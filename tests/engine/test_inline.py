@@ -114,7 +114,8 @@ async def test_a_graph_whose_longest_path_reaches_the_limit_is_not_walked_on_the
             assert walks == [threading.current_thread().name]
         else:  # one walk, on the executor: the root's topological_nr told the loop
             assert all(_is_executor(thread) for thread in threads)
-            assert len(walks) == 1 and _is_executor(walks[0]), walks
+            assert len(walks) == 1, walks
+            assert _is_executor(walks[0]), walks
         assert_close(x.grad, np.full(3, 1.001**n))
 
 
