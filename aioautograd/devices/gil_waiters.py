@@ -16,7 +16,8 @@ for a core) or asleep on a futex (the GIL's condition, or a lock: it may be what
 waits for) gets the pause, as does any thread whose state cannot be read. The engine's own
 threads (workers, intra-op helpers, the watchdog) are not asked for: they share the GIL by
 CPython's switch interval, as before the pauses existed. The look costs a few microseconds
-per thread, once per ``gil_hold_s``; elsewhere than Linux every due pause is taken.
+per thread, once per ``gil_hold_s``, for at most ``_MAX_PROBES`` threads (with more, every due
+pause is taken); elsewhere than Linux every due pause is taken.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ _engine_threads: set[int] = set()
 _wchan_files: dict[int, int] = {}
 _files_lock = threading.Lock()
 _SUPPORTED = sys.platform.startswith("linux") and os.path.exists("/proc/self/task")
+# More Python threads than this besides the engine's (a large thread pool): pause, as before
+# the check existed, rather than read each one's state every ``gil_hold_s``.
+_MAX_PROBES = 8
 
 
 def register_engine_thread() -> None:
@@ -57,12 +61,14 @@ def others_may_wait() -> bool:
         if not alive.issuperset(_wchan_files):  # some have exited: close their files
             for gone in [tid for tid in _wchan_files if tid not in alive]:
                 _close(gone)
+    probes = _MAX_PROBES
     for thread in threads:
         native_id = thread.native_id
         if native_id is None or native_id == me or native_id in engine:
             continue
-        if thread_may_wait(native_id):
+        if not probes or thread_may_wait(native_id):
             return True
+        probes -= 1
     return False
 
 

@@ -129,3 +129,21 @@ def test_elsewhere_than_linux_every_thread_may_wait(monkeypatch: pytest.MonkeyPa
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's /proc")
 def test_an_unreadable_thread_may_wait() -> None:
     assert gil_waiters.thread_may_wait(2**22 + 12345) is True  # no such thread
+
+
+def test_with_many_other_threads_every_due_pause_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[int] = []
+    monkeypatch.setattr(gil_waiters, "_SUPPORTED", True)
+    monkeypatch.setattr(gil_waiters, "thread_may_wait", lambda tid: asked.append(tid) or False)
+    me = threading.get_native_id()
+
+    def threads(count: int) -> list[object]:  # stand-ins for other Python threads, all idle
+        return [type("Idle", (), {"native_id": me + 1 + i})() for i in range(count)]
+
+    monkeypatch.setattr(threading, "enumerate", lambda: threads(gil_waiters._MAX_PROBES))
+    assert gil_waiters.others_may_wait() is False  # each one asked, none waits
+    assert len(asked) == gil_waiters._MAX_PROBES
+    asked.clear()
+    monkeypatch.setattr(threading, "enumerate", lambda: threads(gil_waiters._MAX_PROBES + 1))
+    assert gil_waiters.others_may_wait() is True  # too many to ask: pause
+    assert len(asked) == gil_waiters._MAX_PROBES
