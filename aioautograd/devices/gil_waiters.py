@@ -38,6 +38,19 @@ _SUPPORTED = sys.platform.startswith("linux") and os.path.exists("/proc/self/tas
 _MAX_PROBES = 8
 
 
+def _forget_all() -> None:
+    # A forked child has none of its parent's threads: their ids and open files mean nothing.
+    _engine_threads.clear()
+    for fd in _wchan_files.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _wchan_files.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_all)
+
+
 def register_engine_thread() -> None:
     """Mark the calling thread as one of the engine's (it never asks a worker to pause)."""
     _engine_threads.add(threading.get_native_id())

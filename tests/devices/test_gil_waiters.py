@@ -147,3 +147,28 @@ def test_with_many_other_threads_every_due_pause_is_taken(monkeypatch: pytest.Mo
     monkeypatch.setattr(threading, "enumerate", lambda: threads(gil_waiters._MAX_PROBES + 1))
     assert gil_waiters.others_may_wait() is True  # too many to ask: pause
     assert len(asked) == gil_waiters._MAX_PROBES
+
+
+@linux_only
+@pytest.mark.timeout(60)
+def test_a_forked_child_forgets_its_parents_threads() -> None:
+    import os
+
+    gil_waiters.register_engine_thread()
+    try:
+        gil_waiters.thread_may_wait(threading.get_native_id())  # an open file
+        assert gil_waiters._wchan_files
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report what it kept, then leave at once
+            kept = len(gil_waiters._engine_threads) + len(gil_waiters._wchan_files)
+            os.write(write, bytes([min(kept, 255)]))
+            os._exit(0)
+        os.close(write)
+        try:
+            assert os.read(read, 1) == b"\x00"
+        finally:
+            os.close(read)
+            os.waitpid(pid, 0)
+    finally:
+        gil_waiters.forget_engine_thread()
