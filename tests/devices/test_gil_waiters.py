@@ -135,10 +135,10 @@ def test_with_many_other_threads_every_due_pause_is_taken(monkeypatch: pytest.Mo
     asked: list[int] = []
     monkeypatch.setattr(gil_waiters, "_SUPPORTED", True)
     monkeypatch.setattr(gil_waiters, "thread_may_wait", lambda tid: asked.append(tid) or False)
-    me = threading.get_native_id()
 
     def threads(count: int) -> list[object]:  # stand-ins for other Python threads, all idle
-        return [type("Idle", (), {"native_id": me + 1 + i})() for i in range(count)]
+        # (ids no real thread has: neither the caller nor one of the engine's)
+        return [type("Idle", (), {"native_id": 2**40 + i})() for i in range(count)]
 
     monkeypatch.setattr(threading, "enumerate", lambda: threads(gil_waiters._MAX_PROBES))
     assert gil_waiters.others_may_wait() is False  # each one asked, none waits
