@@ -52,7 +52,8 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 _MARKER_SYMBOL = "os_getppid"  # the C function behind os.getppid(), CPython's posixmodule
-_TOTALS = re.compile(rb"^(?:totals|summary):\s+(\d+)", re.MULTILINE)
+_TOTALS = re.compile(rb"^(?:totals|summary):\s+([\d ]+)", re.MULTILINE)
+_EVENTS = re.compile(rb"^events:\s+([\w ]+)", re.MULTILINE)
 _ENV = {
     "PYTHONHASHSEED": "0",
     "OPENBLAS_NUM_THREADS": "1",
@@ -75,6 +76,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="multiply the engine's gil_hold_s and inline_budget_s by this (callgrind's slowdown)",
     )
     parser.add_argument("--json", action="store_true", help="print the raw counts as JSON too")
+    parser.add_argument(
+        "--sim",
+        action="store_true",
+        help="simulate the caches and branch predictor: misses and mispredictions per node too",
+    )
     parser.add_argument("--inner", metavar="LABELS", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -145,6 +151,7 @@ def count(workload: str, impl: str, args: argparse.Namespace) -> dict[str, Any]:
         command = [
             "valgrind",
             "--tool=callgrind",
+            *(["--cache-sim=yes", "--branch-sim=yes"] if args.sim else []),
             f"--dump-before={_MARKER_SYMBOL}",
             f"--callgrind-out-file={out}",
             sys.executable,
@@ -166,18 +173,49 @@ def count(workload: str, impl: str, args: argparse.Namespace) -> dict[str, Any]:
             (p for p in Path(tmp).glob("callgrind.out.*") if p.suffix[1:].isdigit()),
             key=lambda p: int(p.suffix[1:]),
         )
-        counts = [_total(p) for p in dumps]
+        events = [_events(p) for p in dumps]
     phases: dict[str, list[int]] = {}
-    for label, instructions in zip(meta["labels"], counts, strict=True):
-        phases.setdefault(label, []).append(instructions)
-    return {"workload": workload, "impl": impl, "nodes": meta["nodes"], "phases": phases}
+    simulated: dict[str, list[dict[str, int]]] = {}
+    for label, counted in zip(meta["labels"], events, strict=True):
+        phases.setdefault(label, []).append(counted["Ir"])
+        if args.sim:
+            simulated.setdefault(label, []).append(counted)
+    result = {"workload": workload, "impl": impl, "nodes": meta["nodes"], "phases": phases}
+    if args.sim:
+        result["simulated"] = simulated
+    return result
 
 
-def _total(path: Path) -> int:
-    match = _TOTALS.search(path.read_bytes())
-    if match is None:
+def _events(path: Path) -> dict[str, int]:
+    """The dump's totals by event name (``Ir``; with ``--sim`` also the cache and branch
+    events: ``D1mr``, ``DLmr``, ``Bcm``...)."""
+    text = path.read_bytes()
+    names = _EVENTS.search(text)
+    match = _TOTALS.search(text)
+    if match is None or names is None:
         raise RuntimeError(f"no totals in {path}")
-    return int(match.group(1))
+    return dict(
+        zip(names.group(1).decode().split(), map(int, match.group(1).split()), strict=False)
+    )
+
+
+# What --sim prints per node (or per step): sums of callgrind's events.
+_SIM_FIGURES = {
+    "D1 misses": ("D1mr", "D1mw"),
+    "LL misses": ("DLmr", "DLmw", "ILmr"),
+    "I1 misses": ("I1mr",),
+    "mispredicted": ("Bcm", "Bim"),
+    "branches": ("Bc", "Bi"),
+}
+
+
+def _simulated_line(result: dict[str, Any], per: int) -> str:
+    runs = result["simulated"]["run"]
+    parts = []
+    for figure, events in _SIM_FIGURES.items():
+        value = statistics.median(sum(run.get(e, 0) for e in events) for run in runs)
+        parts.append(f"{figure} {value / per:,.1f}")
+    return "    " + ", ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"prepare {prepare:12,.0f} instr",
                     flush=True,
                 )
+            if args.sim:
+                print(_simulated_line(result, nodes or 1), flush=True)
             if args.json:
                 print(json.dumps(result), flush=True)
     return 0

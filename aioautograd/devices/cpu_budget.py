@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from aioautograd.devices.gil_waiters import register_engine_thread
+
 
 def usable_cores() -> int:
     """Cores this process may run on (its CPU affinity where the OS tells, else the count)."""
@@ -523,6 +525,7 @@ class _Helper:
         self.thread.start()
 
     def _main(self) -> None:
+        register_engine_thread()  # its waits never ask a worker to pause
         # Created by whichever thread first split a product (maybe a worker at a lower
         # priority): run at the process's priority, so its chunks do not straggle.
         if sys.platform.startswith("linux"):

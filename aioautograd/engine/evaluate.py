@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from aioautograd.engine.executor import Executor
 
 Grads = list[Tensor | None]
+# The successors a node made ready: one task as it is (a chain's case, the most common: no
+# list is built for it), several in a list, or None.
+Ready = NodeTask | list[NodeTask] | None
 _NO_INPUTS: Grads = []
 # Bound once (see grad_mode._grad_enabled_get): read for every node.
 _current_graph_task_get = current_graph_task.get
@@ -42,25 +45,27 @@ _current_graph_task_get = current_graph_task.get
 def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTask | None:
     """(executor) Evaluate ``task``; return a successor to run next on this thread, if any."""
     device = executor.device
-    ready = evaluate_function(task, device, True)
-    if not ready:
+    made = evaluate_function(task, device, True)
+    if made is None:
         return None
-    if len(ready) == 1:
+    if type(made) is NodeTask:
         # The chain's case, without Engine.dispatch: one successor whose first gradient is
         # on this device runs next here, unless a task of higher priority waits (as dispatch).
-        successor = ready[0]
-        grads = successor.inputs
+        grads = made.inputs
         first = grads[0]
         if first is not None and first.device is device:
             heap = executor.heap  # ReadyQueue.top_key, inlined: an unlocked peek
             if not heap:
-                return successor
+                return made
             try:
                 top = -(heap[0] >> TIE_BITS)
             except IndexError:  # emptied by another thread since the test
-                return successor
-            if top <= successor.key:
-                return successor
+                return made
+            if top <= made.key:
+                return made
+        ready = [made]
+    else:
+        ready = made  # type: ignore[assignment]  # (not a NodeTask: the list)
     # Engine.dispatch for the fan's case, every successor on this device (the caller's
     # executor serves it): the highest-priority one runs next here unless a task of higher
     # priority waits; the others go to the queue under one lock, in dispatch's order.
@@ -85,10 +90,11 @@ def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTas
     return local if keep else None
 
 
-def evaluate_function(task: NodeTask, device: Device, reuse: bool = False) -> list[NodeTask] | None:
+def evaluate_function(task: NodeTask, device: Device, reuse: bool = False) -> Ready:
     """(executor or loop) Evaluate ``task`` on this thread and return the successor tasks it
-    made ready. With ``reuse`` (the caller holds ``task`` for nothing else), the first
-    successor may be ``task`` itself, refilled.
+    made ready (``Ready``: one task, a list of several, or ``None``). With ``reuse`` (the
+    caller holds ``task`` for nothing else), the first successor may be ``task`` itself,
+    refilled.
 
     Errors fail the graph task (delivered to whoever awaits it) and are not raised here:
     the thread lives on (re-raising would kill a worker and shrink the executor for every
@@ -290,13 +296,15 @@ def _check_nan(node: Node, outputs: Sequence[Tensor | None]) -> None:
 
 def _make_ready(
     graph_task: GraphTask, node: Node, outputs: Sequence[Tensor | None], reuse: NodeTask | None
-) -> list[NodeTask] | None:
-    """Dependency bookkeeping: fill input buffers and return the successors made ready
+) -> Ready:
+    """Dependency bookkeeping: fill input buffers and return the successors made ready: one
+    task as it is (a chain's case: no list per node), several in a list, none as ``None``
     (``reuse``: a finished task to refill for the first successor made ready, saving an
     allocation per node of a chain)."""
     exec_info = graph_task.exec_info
     producer = node._stream
-    ready: list[NodeTask] = []
+    made: NodeTask | None = None  # the first successor made ready
+    more: list[NodeTask] | None = None  # all of them, once there are several
     lock = graph_task.lock
     lock.acquire()  # (cheaper than ``with``, and this runs once per node)
     try:
@@ -334,10 +342,15 @@ def _make_ready(
                     reuse.node = next_node
                     reuse.inputs = buffer
                     reuse.key = graph_task.depth_key | next_node.sequence_nr
-                    ready.append(reuse)
-                    reuse = None
+                    successor, reuse = reuse, None
                 else:
-                    ready.append(NodeTask(graph_task, next_node, buffer))
+                    successor = NodeTask(graph_task, next_node, buffer)
+                if made is None:
+                    made = successor
+                elif more is None:
+                    more = [made, successor]
+                else:
+                    more.append(successor)
             else:
                 dependencies[next_node] = count - 1
                 buffer = not_ready.get(next_node)
@@ -355,14 +368,18 @@ def _make_ready(
                     accumulate(buffer, input_nr, grad, producer, next_node._stream)
                 else:
                     order.add(buffer, input_nr, node, i, grad, producer, next_node._stream)
-        graph_task.outstanding_tasks += len(ready) - 1
-        done = graph_task.outstanding_tasks == 0
+        if made is None:  # this task ends, none starts
+            left = graph_task.outstanding_tasks = graph_task.outstanding_tasks - 1
+        elif more is not None:
+            left = graph_task.outstanding_tasks = graph_task.outstanding_tasks + len(more) - 1
+        else:  # one ends, one starts: the count stays (at least 1)
+            left = 1
     finally:
         lock.release()
-    if done:
+    if left == 0:
         graph_task.all_tasks_done()
         return None
-    return ready
+    return more if more is not None else made
 
 
 def _add(

@@ -27,6 +27,11 @@ from typing import TYPE_CHECKING, Any
 import numpy
 
 from aioautograd.devices.cpu_budget import CpuBudget, cpu_budget
+from aioautograd.devices.gil_waiters import (
+    forget_engine_thread,
+    others_may_wait,
+    register_engine_thread,
+)
 from aioautograd.engine.policy import NUMPY_ERRORS, SLEPT_FRACTION_OF_HOLD
 from aioautograd.engine.ready_queue import ReadyQueue
 from aioautograd.engine.watchdog import watch
@@ -139,11 +144,13 @@ class Executor:
                 self.run(task, drain=True)
                 task = self.queue.pop_nowait()
         finally:
+            forget_engine_thread()
             with self._start_lock:
                 self.extra_workers -= 1
                 self._extra_threads.remove(threading.current_thread())
 
     def _become_worker(self) -> None:
+        register_engine_thread()
         worker_state.executor = self
         worker_state.depth = 0
         if self.device.type == "cpu":
@@ -160,6 +167,7 @@ class Executor:
                 pass
             stopped = True
         finally:
+            forget_engine_thread()
             if not stopped:  # something escaped (a bug): never leave the pool a thread short
                 self._replace(threading.current_thread())
 
@@ -296,7 +304,10 @@ class Executor:
     def _drive_on_fresh_thread(self, graph_task: GraphTask) -> None:
         def main() -> None:
             self._become_worker()
-            self.drive(graph_task)
+            try:
+                self.drive(graph_task)
+            finally:
+                forget_engine_thread()
 
         thread = threading.Thread(
             target=main, name=f"aioautograd-{self.device}-reentrant", daemon=True
@@ -410,7 +421,9 @@ def pause_if_due() -> None:
     never release it: a thread waiting for it, the event loop's, would get it only after
     CPython's switch interval (5 ms). And while every core computes, the loop's thread
     waits for one until the kernel preempts a worker (3-4 ms measured with two workers
-    busy on two cores). A short sleep lets it in now, on both counts.
+    busy on two cores). A short sleep lets it in now, on both counts. It is skipped when no
+    other Python thread can be waiting for either (``devices/gil_waiters.py``; the policy's
+    ``gil_pause_always`` takes it anyway).
     """
     state = worker_state
     executor = state.executor
@@ -418,7 +431,8 @@ def pause_if_due() -> None:
         return
     if time.perf_counter() > state.pause_at:
         policy = executor.engine.policy
-        time.sleep(policy.gil_pause_s)
+        if policy.gil_pause_always or others_may_wait():
+            time.sleep(policy.gil_pause_s)
         state.pause_at = time.perf_counter() + policy.gil_hold_s
 
 

@@ -212,6 +212,9 @@ class GraphTask:
         pending = self.pending_analysis
         assert pending is not None
         root, outputs, accumulate_grad, min_topo_nr = pending
+        if max_nodes is not None and root.topological_nr - min_topo_nr >= max_nodes:
+            # Its longest path alone reaches the limit (a long chain): no walk to find out.
+            return False
         if not self.compute_dependencies(root, min_topo_nr, max_nodes):
             self.dependencies = {}
             self.fan_in = {}

@@ -28,10 +28,10 @@ from aioautograd.devices.device import CPU
 from aioautograd.engine.evaluate import evaluate_function
 from aioautograd.engine.input_buffer import buffer_device
 from aioautograd.engine.policy import NUMPY_ERRORS
+from aioautograd.engine.ready_queue import NodeTask
 
 if TYPE_CHECKING:
     from aioautograd.engine.graph_task import GraphTask
-    from aioautograd.engine.ready_queue import NodeTask
 
 
 def qualifies(task: NodeTask, max_elements: int) -> bool:
@@ -88,26 +88,25 @@ def run_inline(graph_task: GraphTask, first: NodeTask, budget_s: float) -> bool:
             if task.node.is_async:
                 graph_task.expect_completion_elsewhere()  # its continuation finishes the pass
             # ``reuse``: nothing here holds ``task`` once evaluated (the heap entry is gone).
-            ready = evaluate_function(task, CPU, True)
+            made = evaluate_function(task, CPU, True)
             task = None
-            if ready:
-                if len(ready) == 1 and not heap:
-                    # A chain: the one successor runs next, without the heap.
-                    successor = ready[0]
-                    if buffer_device(successor.inputs).type == "cpu":
-                        task = successor
+            ready: list[NodeTask] | None = None
+            if type(made) is NodeTask:
+                if not heap and buffer_device(made.inputs).type == "cpu":
+                    task = made  # a chain: the one successor runs next, without the heap
+                else:
+                    ready = [made]
+            elif made is not None:
+                ready = made  # type: ignore[assignment]  # (not a NodeTask: the list)
+            if ready is not None:
+                for successor in ready:
+                    device = buffer_device(successor.inputs)
+                    if device.type == "cpu":
+                        pushed += 1
+                        heapq.heappush(heap, (-successor.key, pushed, successor))
                     else:
                         graph_task.expect_completion_elsewhere()
-                        engine.push(successor, buffer_device(successor.inputs))
-                else:
-                    for successor in ready:
-                        device = buffer_device(successor.inputs)
-                        if device.type == "cpu":
-                            pushed += 1
-                            heapq.heappush(heap, (-successor.key, pushed, successor))
-                        else:
-                            graph_task.expect_completion_elsewhere()
-                            engine.push(successor, device)
+                        engine.push(successor, device)
             if task is None:
                 if not heap:
                     break

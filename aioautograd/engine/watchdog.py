@@ -26,6 +26,8 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING
 
+from aioautograd.devices.gil_waiters import forget_engine_thread, register_engine_thread
+
 if TYPE_CHECKING:
     from types import FrameType
 
@@ -48,6 +50,14 @@ def watch(executor: Executor) -> None:
 
 
 def _main(executor_ref: weakref.ref[Executor]) -> None:
+    register_engine_thread()  # its sleeps never ask a worker to pause
+    try:
+        _watch(executor_ref)
+    finally:
+        forget_engine_thread()
+
+
+def _watch(executor_ref: weakref.ref[Executor]) -> None:
     last_mark: int | None = None
     since = time.monotonic()
     ticks: list[int | None] = []

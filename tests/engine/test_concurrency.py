@@ -4,6 +4,7 @@ reentrant nodes."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import sys
 import threading
@@ -326,13 +327,15 @@ async def test_cpu_workers_run_below_the_loops_priority(nice: int) -> None:
     assert_close(x.grad, np.ones(3, np.float32))
 
 
-async def test_long_runs_of_small_nodes_pause_to_let_the_loop_take_the_gil(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def _pauses_in_a_chain(
+    monkeypatch: pytest.MonkeyPatch, policy: ag.EnginePolicy, others_wait: bool
+) -> list[float]:
+    """The pauses a worker takes over a 321-node chain's backward (a pause due after every
+    node: ``gil_hold_s=0``), while other threads do (or do not) wait for the GIL."""
     from aioautograd.engine import executor as executor_module
 
     pauses: list[float] = []
-    engine = Engine(ag.EnginePolicy(gil_hold_s=0.0, gil_pause_s=0.000_03, inline_budget_s=0.0))
+    engine = Engine(policy)
 
     def sleep(seconds: float) -> None:  # only this engine's workers (others may be busy)
         executor = executor_module.worker_state.executor
@@ -341,7 +344,7 @@ async def test_long_runs_of_small_nodes_pause_to_let_the_loop_take_the_gil(
 
     clock = types.SimpleNamespace(perf_counter=time.perf_counter, sleep=sleep)
     monkeypatch.setattr(executor_module, "time", clock)
-    # gil_hold_s=0: every check finds a pause due.
+    monkeypatch.setattr(executor_module, "others_may_wait", lambda: others_wait)
     x = ag.randn(3, dtype="float64", requires_grad=True)
     h = x
     for _ in range(320):
@@ -349,9 +352,29 @@ async def test_long_runs_of_small_nodes_pause_to_let_the_loop_take_the_gil(
     loss = h.sum()
     await engine.execute([(loss.grad_fn, 0)], [ag.ones((), dtype="float64")], False, False, True)
     engine.close()
+    assert_close(x.grad, np.full(3, 1.001**320))
+    return pauses
+
+
+async def test_long_runs_of_small_nodes_pause_to_let_the_loop_take_the_gil(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aioautograd.engine import executor as executor_module
+
+    policy = ag.EnginePolicy(gil_hold_s=0.0, gil_pause_s=0.000_03, inline_budget_s=0.0)
+    pauses = await _pauses_in_a_chain(monkeypatch, policy, others_wait=True)
     assert len(pauses) >= 300  # a check after every node on the worker (321 nodes in all)
     assert set(pauses) == {0.000_03}
-    assert_close(x.grad, np.full(3, 1.001**320))
     pauses.clear()
     executor_module.pause_if_due()  # not on a worker thread: never sleeps
     assert pauses == []
+
+
+async def test_a_due_pause_is_skipped_while_no_other_thread_waits_for_the_gil(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    policy = ag.EnginePolicy(gil_hold_s=0.0, gil_pause_s=0.000_03, inline_budget_s=0.0)
+    assert await _pauses_in_a_chain(monkeypatch, policy, others_wait=False) == []
+    # gil_pause_always: every due pause is taken, as before the check existed
+    always = dataclasses.replace(policy, gil_pause_always=True)
+    assert len(await _pauses_in_a_chain(monkeypatch, always, others_wait=False)) >= 300

@@ -85,6 +85,40 @@ async def test_graph_larger_than_the_limit_goes_to_the_executors() -> None:
     assert_close(x.grad, np.ones(3, np.float32))
 
 
+async def test_a_graph_whose_longest_path_reaches_the_limit_is_not_walked_on_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aioautograd.engine.graph_task import GraphTask
+
+    get_default_engine().inline_budget_s = 1.0  # what decides is the graph's size
+    walks: list[str] = []
+    walk = GraphTask.compute_dependencies
+
+    def counted(self: GraphTask, *args: object) -> bool:
+        walks.append(threading.current_thread().name)
+        return walk(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(GraphTask, "compute_dependencies", counted)
+    # n multiplications and the sum: n + 1 nodes below the root, the walk's count.
+    for n, inline in ((INLINE_MAX_NODES - 2, True), (INLINE_MAX_NODES - 1, False)):
+        walks.clear()
+        x = ag.randn(3, dtype="float64", requires_grad=True)
+        h = x
+        for _ in range(n):
+            h = h * 1.001
+        with profile() as prof:
+            await h.sum().backward()
+        threads = _threads(prof)
+        if inline:
+            assert threads == {threading.current_thread().name}
+            assert walks == [threading.current_thread().name]
+        else:  # one walk, on the executor: the root's topological_nr told the loop
+            assert all(_is_executor(thread) for thread in threads)
+            assert len(walks) == 1, walks
+            assert _is_executor(walks[0]), walks
+        assert_close(x.grad, np.full(3, 1.001**n))
+
+
 async def test_spent_budget_hands_the_rest_to_the_executors() -> None:
     get_default_engine().inline_budget_s = 1e-9  # spent once the first node ran
     x = ag.randn(3, dtype="float64", requires_grad=True)
