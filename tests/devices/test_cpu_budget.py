@@ -349,7 +349,7 @@ def test_paired_products_are_bitwise_the_whole_ones(dtype: type) -> None:
             assert first.dtype == dtype
             assert second.dtype == dtype
         assert budget.paired_products == 3
-        assert budget.split_products == 0  # each product whole, none cut in chunks
+        assert budget.split_products == 0  # counted as pairs, not as two split products
         assert budget.active == 1  # the helper's core is given back
     finally:
         budget.leave()
@@ -393,3 +393,30 @@ def test_unpairable_products_compute_or_raise_as_matmul_does() -> None:
         budget.leave()
     assert budget.paired_products == 0
     assert budget.active == 0
+
+
+@pytest.mark.usefixtures("one_blas_thread")
+def test_a_worker_pauses_once_its_helper_has_the_chunks() -> None:
+    """A counted thread's pause before a split or paired product comes after the helper got
+    its chunks (the helper computes during the pause); before an unsplit product, first."""
+    budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    counted_at_pause: list[int] = []
+    budget.yield_point = lambda: counted_at_pause.append(budget.active)  # type: ignore[method-assign]
+    a1, b1, a2, b2 = _pair_operands(np.float32)[0]
+    assert budget.enter()
+    try:
+        budget.matmul(a1, b1)
+        budget.matmul_pair(a1, b1, a2, b2)
+    finally:
+        budget.leave()
+    assert budget.split_products == 1
+    assert budget.paired_products == 1
+    assert counted_at_pause == [2, 2]  # this thread and the helper that already computes
+    alone = CpuBudget(cores=1, min_split_flops=0.0, manage_blas=False)
+    alone.yield_point = lambda: counted_at_pause.append(-alone.active)  # type: ignore[method-assign]
+    assert alone.enter()
+    try:
+        assert np.array_equal(alone.matmul(a1, b1), np.matmul(a1, b1))
+    finally:
+        alone.leave()
+    assert counted_at_pause[2] == -1  # no helper: the pause comes first, as before
