@@ -14,7 +14,9 @@ default environment (no BLAS variables set), four models trained at once with
 So while aioautograd computes, NumPy's BLAS runs on one thread, and large matrix products are
 split over the budget's own helper threads instead (PyTorch's intra-op parallelism), but only
 into cores that no other thread is computing on: one model alone gets both cores for its
-products, four models at once get one each, and nothing spins. The BLAS thread count the
+products, four models at once get one each, and nothing spins. A backward's two independent
+products (a linear layer's input and weight gradients) run side by side instead, one per
+thread (``CpuBudget.matmul_pair``). The BLAS thread count the
 process had is restored whenever no aioautograd thread computes, so the user's own NumPy code
 between steps runs as it always did.
 
