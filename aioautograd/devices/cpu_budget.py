@@ -417,8 +417,12 @@ class CpuBudget:
         if not helpers:
             return self.matmul(a1, b1), self.matmul(a2, b2)
         try:
-            first = _SplitProduct(a1, b1, PAIR_CHUNKS)
-            second = _SplitProduct(a2, b2, PAIR_CHUNKS)
+            # A pause point between two chunks (``_between_slices``): the pair keeps both
+            # cores busy for two products, and without one the event loop's thread waited
+            # for a core that long (aiohttp app, offload: /health p99 ~1 ms higher).
+            between = self._between_slices
+            first = _SplitProduct(a1, b1, PAIR_CHUNKS, between=between)
+            second = _SplitProduct(a2, b2, PAIR_CHUNKS, between=between)
             # The helper starts on the second product and goes on with the first's chunks
             # that are left; this thread the other way round.
             helpers[0].inbox.put(second)
