@@ -9,16 +9,24 @@ Two views of the step of ``benchmarks/workloads.py`` (784-1024-1024-10, batch 25
   products inside the step, and of the step itself, on one core (an engine with one core and
   every node inline on the loop's thread), so that the work outside the products shows.
 
+- ``--handoffs`` (default environment): the backward's thread hand-offs, gated as
+  ``--phases``: how long the products took (wall), the workers' pauses (``pause_if_due``
+  sleeps), the wait from the loop's last inline node to the first node on a worker, and from
+  the last worker node to ``await loss.backward()`` returning.
+
     OPENBLAS_NUM_THREADS=1 PYTHONPATH=. python benchmarks/mlp_parts.py --products
     PYTHONPATH=. python benchmarks/mlp_parts.py --phases --rounds 20
+    PYTHONPATH=. python benchmarks/mlp_parts.py --handoffs --rounds 10
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import aioautograd as ag
 from aioautograd.devices import cpu_budget
+from aioautograd.engine import evaluate, executor, inline
 from benchmarks import workloads as W
 from benchmarks.budget_ab import wait_until_idle
 
@@ -181,16 +190,96 @@ async def products(steps: int) -> None:
         )
 
 
+class _Recorder:
+    """Spans ``(thread, kind, start, end)`` of nodes, products (matmul and pairs) and the
+    workers' pause sleeps, recorded by wrappers installed for the duration of a ``with``."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, str, float, float]] = []
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _wrap(self, owner: Any, name: str, kind: str) -> None:
+        original = getattr(owner, name)
+        spans, clock = self.spans, time.perf_counter
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = clock()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spans.append((threading.current_thread().name, kind, start, clock()))
+
+        self._saved.append((owner, name, original))
+        setattr(owner, name, timed)
+
+    def __enter__(self) -> _Recorder:
+        devices = importlib.import_module("aioautograd.devices.device")
+        self._wrap(evaluate, "evaluate_function", "node")
+        self._wrap(inline, "evaluate_function", "node")
+        self._wrap(cpu_budget.CpuBudget, "matmul", "product")
+        if hasattr(devices.CpuBackend, "matmul_pair"):  # (not in trees before session 23)
+            self._wrap(devices.CpuBackend, "matmul_pair", "product")
+        # time.sleep, process-wide while recording: during the backward, only the workers'
+        # pause_if_due sleeps.
+        self._wrap(executor.time, "sleep", "pause")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+
+
+async def handoffs(rounds: int, gated: bool = True) -> None:
+    parts = _Parts()
+    rows: dict[str, list[float]] = {
+        k: [] for k in ("backward", "products", "pauses", "to worker", "to loop")
+    }
+    with _Recorder() as recorder:
+        for _ in range(rounds):
+            if gated:
+                wait_until_idle()
+            for i in range(3):
+                recorder.spans.clear()
+                start = time.perf_counter()
+                forward, backward, _ = await parts.aio_step(time.perf_counter)
+                if not i:
+                    continue
+                began, ended = start + forward, start + forward + backward
+                spans = [s for s in recorder.spans if began <= s[2] < ended]
+                nodes = [s for s in spans if s[1] == "node"]
+                on_loop = [s[3] for s in nodes if s[0] == "MainThread"] or [began]
+                on_workers = [s for s in nodes if s[0] != "MainThread"]
+                rows["backward"].append(backward)
+                products = [s for s in spans if s[1] == "product"]
+                outer = [  # (a pair that falls back to two products records both levels)
+                    s
+                    for s in products
+                    if not any(
+                        o is not s and o[0] == s[0] and o[2] <= s[2] <= s[3] <= o[3]
+                        for o in products
+                    )
+                ]
+                rows["products"].append(sum(s[3] - s[2] for s in outer))
+                rows["pauses"].append(sum(s[3] - s[2] for s in spans if s[1] == "pause"))
+                if on_workers:
+                    rows["to worker"].append(min(s[2] for s in on_workers) - max(on_loop))
+                    rows["to loop"].append(ended - max(s[3] for s in on_workers))
+    print("backward, per step: " + " | ".join(f"{k} {_ms(v)}" for k, v in rows.items() if v))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--products", action="store_true", help="one-core product split")
     parser.add_argument("--phases", action="store_true", help="gated phase timing (default)")
-    parser.add_argument("--rounds", type=int, default=20, help="gated rounds for --phases")
+    parser.add_argument("--handoffs", action="store_true", help="the backward's hand-offs")
+    parser.add_argument("--rounds", type=int, default=20, help="gated rounds (--phases, ...)")
     parser.add_argument("--steps", type=int, default=40, help="steps for --products")
     args = parser.parse_args()
     if args.products:
         asyncio.run(products(args.steps))
-    if args.phases or not args.products:
+    if args.handoffs:
+        asyncio.run(handoffs(args.rounds))
+    if args.phases or not (args.products or args.handoffs):
         asyncio.run(phases(args.rounds))
 
 

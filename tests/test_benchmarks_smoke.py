@@ -89,6 +89,10 @@ async def test_mlp_parts_steps_are_the_workload_steps(capsys: pytest.CaptureFixt
     assert "aioautograd" in out
     assert "numpy" in out
     assert "outside" in out
+    await mlp_parts.handoffs(rounds=1, gated=False)
+    out = capsys.readouterr().out
+    assert "pauses" in out
+    assert "to worker" in out  # the products ran on the engine's workers, not inline
 
 
 def test_mlp_data_is_deterministic() -> None:

@@ -62,12 +62,20 @@ class Backend:
         """``xp.matmul(a, b)``: every matrix product of the built-in ops goes through here."""
         return self.xp.matmul(a, b)
 
+    def matmul_pair(self, a1: Any, b1: Any, a2: Any, b2: Any) -> tuple[Any, Any]:
+        """``(a1 @ b1, a2 @ b2)``, two independent products (a backward's two gradients),
+        which a backend may run side by side."""
+        return self.matmul(a1, b1), self.matmul(a2, b2)
+
 
 class CpuBackend(Backend):
     """NumPy, with matrix products counted against the CPU budget (``cpu_budget.py``)."""
 
     def matmul(self, a: Any, b: Any) -> Any:
         return cpu_budget().matmul(a, b)
+
+    def matmul_pair(self, a1: Any, b1: Any, a2: Any, b2: Any) -> tuple[Any, Any]:
+        return cpu_budget().matmul_pair(a1, b1, a2, b2)
 
 
 CPU_BACKEND = CpuBackend()

@@ -32,7 +32,7 @@ from aioautograd.devices.gil_waiters import (
     others_may_wait,
     register_engine_thread,
 )
-from aioautograd.engine.policy import NUMPY_ERRORS, SLEPT_FRACTION_OF_HOLD
+from aioautograd.engine.policy import NUMPY_ERRORS, RESTED_S, SLEPT_FRACTION_OF_HOLD
 from aioautograd.engine.ready_queue import ReadyQueue
 from aioautograd.engine.watchdog import watch
 
@@ -436,4 +436,20 @@ def pause_if_due() -> None:
         state.pause_at = time.perf_counter() + policy.gil_hold_s
 
 
+def rested(waited: float) -> None:
+    """A worker that has just blocked ``waited`` seconds without the GIL (waiting for the
+    helpers of a split product) gave other threads the window a pause gives: when that is
+    at least the policy's ``gil_pause_s`` (and ``RESTED_S``), its next pause is due
+    ``gil_hold_s`` from now (after a product, the pause would otherwise come at once, with
+    every core idle)."""
+    state = worker_state
+    executor = state.executor
+    if executor is None:
+        return
+    policy = executor.engine.policy
+    if waited >= max(policy.gil_pause_s, RESTED_S):
+        state.pause_at = max(state.pause_at, time.perf_counter() + policy.gil_hold_s)
+
+
 CpuBudget.yield_point = staticmethod(pause_if_due)
+CpuBudget.rest_point = staticmethod(rested)

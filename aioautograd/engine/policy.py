@@ -24,6 +24,12 @@ NUMPY_ERRORS: Final = "ignore"
 # without the GIL: its hold starts afresh (``Executor._next_task``).
 SLEPT_FRACTION_OF_HOLD: Final = 0.25
 
+# A worker that blocked at least this long (and ``gil_pause_s``) waiting for the helpers of a
+# split product counts as having paused (``executor.rested``): the pause's 20 µs sleep lasts
+# about 0.1 ms with Linux's default 50 µs timer slack, the window that lets the event loop's
+# thread in (shorter sleeps worsened the ``concurrent`` heartbeat's p99).
+RESTED_S: Final = 0.0001
+
 
 @dataclass(frozen=True, slots=True)
 class EnginePolicy:

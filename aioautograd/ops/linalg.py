@@ -33,8 +33,13 @@ class MatMul(Op):
             # Nothing to record: the two products on the arrays (a plain backward's case).
             a_data, b_data = ctx.saved_arrays
             g, device = grad.data, grad.device
-            product = device.backend.matmul
             # (the arrays' own swapaxes: NumPy's function is a Python wrapper around it)
+            if needs[0] and needs[1]:
+                grad_a, grad_b = device.backend.matmul_pair(
+                    g, b_data.swapaxes(-1, -2), a_data.swapaxes(-1, -2), g
+                )
+                return wrap(grad_a, device), wrap(grad_b, device)
+            product = device.backend.matmul
             return (
                 wrap(product(g, b_data.swapaxes(-1, -2)), device) if needs[0] else None,
                 wrap(product(a_data.swapaxes(-1, -2), g), device) if needs[1] else None,
@@ -82,6 +87,18 @@ class LinearFunction(Op):
         input, weight = ctx.saved_tensors
         needs = ctx.needs_input_grad
         rows = grad.reshape(-1, weight.shape[0])
+        if needs[0] and needs[1] and not _grad_enabled_get():
+            # Nothing to record: the two products side by side (``Backend.matmul_pair``),
+            # on the arrays the Tensor formulas below would pass.
+            device = grad.device
+            grad_input, grad_weight = device.backend.matmul_pair(
+                rows.data, weight.data, rows.data.T, input.data.reshape(-1, weight.shape[1])
+            )
+            return (
+                wrap(grad_input.reshape(input.shape), device),
+                wrap(grad_weight, device),
+                rows.sum(0) if needs[2] else None,
+            )
         grad_input = (rows @ weight).reshape(input.shape) if needs[0] else None
         grad_weight = rows.mT @ input.reshape(-1, weight.shape[1]) if needs[1] else None
         grad_bias = rows.sum(0) if needs[2] else None

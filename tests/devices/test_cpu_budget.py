@@ -323,3 +323,104 @@ async def test_each_budget_counts_its_own_hold() -> None:
     assert (first.active, second.active) == (2, 3)
     await asyncio.sleep(0)
     assert (first.active, second.active) == (0, 0)
+
+
+def _pair_operands(dtype: type) -> list[tuple[np.ndarray, ...]]:
+    """A linear layer's two gradient products, ``g @ w.T`` and ``x.T @ g``, in the layouts the
+    backward formulas pass (transposed views), plus a batched left operand."""
+    rng = np.random.default_rng(4)
+    g = rng.standard_normal((256, 512)).astype(dtype)
+    w = rng.standard_normal((384, 512)).astype(dtype)
+    x = rng.standard_normal((256, 384)).astype(dtype)
+    batched = rng.standard_normal((2, 128, 512)).astype(dtype)
+    return [(g, w.T, x.T, g), (x.T, g, g, w.T), (batched, w.T, g.T, x)]
+
+
+@pytest.mark.usefixtures("one_blas_thread")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_paired_products_are_bitwise_the_whole_ones(dtype: type) -> None:
+    budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    assert budget.enter()  # a worker's thread: the only kind that pairs
+    try:
+        for a1, b1, a2, b2 in _pair_operands(dtype):
+            first, second = budget.matmul_pair(a1, b1, a2, b2)
+            assert np.array_equal(first, np.matmul(a1, b1))
+            assert np.array_equal(second, np.matmul(a2, b2))
+            assert first.dtype == dtype
+            assert second.dtype == dtype
+        assert budget.paired_products == 3
+        assert budget.split_products == 0  # counted as pairs, not as two split products
+        assert budget.active == 1  # the helper's core is given back
+    finally:
+        budget.leave()
+    assert budget.peak <= budget.cores
+    assert budget.active == 0
+
+
+@pytest.mark.usefixtures("one_blas_thread")
+def test_products_are_not_paired_without_a_free_core_or_off_a_worker() -> None:
+    a1, b1, a2, b2 = _pair_operands(np.float32)[0]
+    expected = (np.matmul(a1, b1), np.matmul(a2, b2))
+    one_core = CpuBudget(cores=1, min_split_flops=0.0, manage_blas=False)
+    assert one_core.enter()
+    try:
+        results = one_core.matmul_pair(a1, b1, a2, b2)  # no core free: one after the other
+    finally:
+        one_core.leave()
+    two_cores = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    uncounted = two_cores.matmul_pair(a1, b1, a2, b2)  # not a worker: matmul's own splits
+    for pair in (results, uncounted):
+        assert all(np.array_equal(r, e) for r, e in zip(pair, expected, strict=True))
+    assert one_core.paired_products == 0
+    assert two_cores.paired_products == 0
+    assert two_cores.split_products == 2
+    assert one_core.active == 0
+    assert two_cores.active == 0
+
+
+def test_unpairable_products_compute_or_raise_as_matmul_does() -> None:
+    budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    ints = np.arange(12).reshape(3, 4)
+    matrix = np.ones((200, 300))
+    assert budget.enter()
+    try:
+        first, second = budget.matmul_pair(ints, ints.T, matrix, matrix.T)
+        assert np.array_equal(first, ints @ ints.T)
+        np.testing.assert_allclose(second, matrix @ matrix.T)
+        with pytest.raises(ValueError, match="mismatch"):
+            budget.matmul_pair(matrix, matrix.T, matrix, matrix)
+    finally:
+        budget.leave()
+    assert budget.paired_products == 0
+    assert budget.active == 0
+
+
+@pytest.mark.usefixtures("one_blas_thread")
+def test_a_worker_pauses_once_its_helper_has_the_chunks() -> None:
+    """A counted thread's pause before a split or paired product comes after the helper got
+    its chunks (the helper computes during the pause); before an unsplit product, first."""
+    budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    counted_at_pause: list[int] = []
+    budget.yield_point = lambda: counted_at_pause.append(budget.active)  # type: ignore[method-assign]
+    a1, b1, a2, b2 = _pair_operands(np.float32)[0]
+    assert budget.enter()
+    try:
+        budget.matmul(a1, b1)
+        budget.matmul_pair(a1, b1, a2, b2)
+    finally:
+        budget.leave()
+    assert budget.split_products == 1
+    assert budget.paired_products == 1
+    # Once before each product (the pair's also between the chunks this thread computes),
+    # always with the helper counted: it had its chunks already.
+    assert len(counted_at_pause) >= 2
+    assert set(counted_at_pause) == {2}
+    alone = CpuBudget(cores=1, min_split_flops=0.0, manage_blas=False)
+    alone_at_pause: list[int] = []
+    alone.yield_point = lambda: alone_at_pause.append(alone.active)  # type: ignore[method-assign]
+    assert alone.enter()
+    try:
+        assert np.array_equal(alone.matmul(a1, b1), np.matmul(a1, b1))
+    finally:
+        alone.leave()
+    assert alone_at_pause == [1]  # no helper: the pause comes first, as before

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -153,3 +154,30 @@ async def test_concurrent_training_gives_the_sequential_weights_bit_for_bit() ->
         await asyncio.gather(*(train(*run) for run in runs))
         for got, want in zip(_weights(runs), expected, strict=True):
             assert np.array_equal(got, want), train.__name__
+
+
+@pytest.mark.timeout(30)
+async def test_a_worker_that_waited_for_its_helpers_is_spared_its_next_pause() -> None:
+    """Blocking at least ``RESTED_S`` without the GIL (the wait for a split product's last
+    chunks) counts as the worker's pause; a shorter wait does not."""
+    from aioautograd.engine.executor import rested
+    from aioautograd.engine.policy import RESTED_S
+
+    engine = Engine(EnginePolicy(gil_hold_s=0.5))
+
+    def probe() -> tuple[float, float, float]:
+        state = worker_state
+        state.pause_at = 0.0  # a pause is due
+        rested(RESTED_S / 2)
+        after_short_wait = state.pause_at
+        before = time.perf_counter()
+        rested(RESTED_S)
+        return after_short_wait, state.pause_at, before
+
+    try:
+        after_short_wait, after_wait, before = await engine.offload(probe)
+    finally:
+        engine.close()
+    assert after_short_wait == 0.0
+    assert after_wait >= before + 0.5
+    rested(1.0)  # not a worker (the event loop's thread): nothing to spare, no error

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
 import aioautograd as ag
+from aioautograd.devices.cpu_budget import cpu_budget
+from aioautograd.devices.device import CpuBackend
 from tests.helpers import assert_close
 from tests.ops.oracle import check_against_torch
 
@@ -111,3 +114,53 @@ def test_matmul_errors() -> None:
         ag.matmul(_randn(2, 3), _randn(2, 3))
     with pytest.raises(RuntimeError, match="inner dimensions do not match"):
         ag.matmul(_randn(3), _randn(2))
+
+
+@pytest.fixture
+def two_cores_pairing_everything() -> Iterator[Any]:
+    """The default engine on two cores that pairs (and splits) products of every size and
+    runs no node inline, so that the small products below take the paths (a worker's) that
+    the MLP's large ones take."""
+    policy = ag.EnginePolicy(cpu_cores=2, intra_op_min_flops=0.0, inline_budget_s=0.0)
+    engine = ag.Engine(policy=policy)
+    previous = ag.set_default_engine(engine)
+    try:
+        yield cpu_budget()
+    finally:
+        assert previous is not None
+        ag.set_default_engine(previous)
+        engine.close()
+
+
+async def _linear_grads(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = ag.tensor(rng.standard_normal((64, 96)).astype(np.float32), requires_grad=True)
+    w = ag.tensor(rng.standard_normal((96, 128)).astype(np.float32), requires_grad=True)
+    v = ag.tensor(rng.standard_normal((80, 128)).astype(np.float32), requires_grad=True)
+    b = ag.tensor(rng.standard_normal(80).astype(np.float32), requires_grad=True)
+    hidden = (x @ w).relu()  # MatMulBackward0: both operands need a gradient
+    out = ag.nn.functional.linear(hidden, v, b)  # LinearFunction: input and weight
+    await (out * out).sum().backward()
+    return [t.grad.data.copy() for t in (x, w, v, b)]  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(60)
+async def test_backward_pairs_its_two_products_bitwise(
+    two_cores_pairing_everything: Any, monkeypatch: pytest.MonkeyPatch, torch: Any
+) -> None:
+    budget = two_cores_pairing_everything
+    before = budget.paired_products
+    paired = await _linear_grads(5)
+    assert budget.paired_products >= before + 2  # on a worker, a core free for the helper
+
+    def one_after_the_other(backend: Any, a1: Any, b1: Any, a2: Any, b2: Any) -> Any:
+        return backend.matmul(a1, b1), backend.matmul(a2, b2)
+
+    monkeypatch.setattr(CpuBackend, "matmul_pair", one_after_the_other)
+    sequential = await _linear_grads(5)
+    assert all(np.array_equal(p, s) for p, s in zip(paired, sequential, strict=True))
+    await check_against_torch(
+        torch,
+        lambda lib, x, w, v: lib.nn.functional.linear(lib.matmul(x, w).relu(), v),
+        *(np.random.default_rng(6).standard_normal(s) for s in ((64, 96), (96, 128), (80, 128))),
+    )
