@@ -5,9 +5,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
+import numpy as np
 import pytest
 
+import aioautograd as ag
+from aioautograd.engine import Engine, EnginePolicy
 from aioautograd.engine.loop_turns import LoopTurns
 
 
@@ -75,3 +79,56 @@ async def test_a_cancelled_waiter_hands_its_turn_on() -> None:
     waiting.cancel()
     await asyncio.wait_for(after, 5)
     assert waiting.cancelled()
+
+
+class _SlowStep(ag.Function):
+    """A node that takes 2 ms and records when it finished."""
+
+    finished: list[float] = []  # noqa: RUF012  (reset by the test)
+    started = threading.Event()
+
+    @staticmethod
+    def forward(ctx: Any, x: ag.Tensor) -> ag.Tensor:
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, grad: ag.Tensor) -> ag.Tensor:
+        time.sleep(0.002)
+        _SlowStep.finished.append(time.perf_counter())
+        _SlowStep.started.set()
+        return grad
+
+
+@pytest.mark.timeout(60)
+async def test_a_coroutine_resumed_from_a_backward_holds_the_cores_for_its_turn() -> None:
+    # Natural code resumed from ``await loss.backward()`` runs its optimizer step and next
+    # forward pass on the loop's thread: the workers computing other passes park at their next
+    # node until that callback returns (here the hold never lapses: loop_hold_s is long).
+    previous = ag.get_default_engine()
+    engine = Engine(EnginePolicy(cpu_threads=2, cpu_cores=2, loop_hold_s=10.0, inline_budget_s=0.0))
+    ag.set_default_engine(engine)
+    try:
+        _SlowStep.finished = []
+        _SlowStep.started.clear()
+        x = ag.randn(4, requires_grad=True)
+        h = x
+        for _ in range(200):  # 0.4 s of nodes, one after another on one worker
+            h = _SlowStep.apply(h)
+        long_pass = asyncio.ensure_future(h.sum().backward())
+        assert await asyncio.to_thread(_SlowStep.started.wait, 10)  # that worker computes now
+        y = ag.randn(4, requires_grad=True)
+        await (y * 2.0).sum().backward()  # completes on the other worker
+        assert y.grad is not None
+        start = time.perf_counter()
+        time.sleep(0.1)  # noqa: ASYNC251  (the turn's work on the loop's thread)
+        end = time.perf_counter()
+        await asyncio.sleep(0)  # the callback returns: the workers go on
+        await asyncio.wait_for(long_pass, 30)
+        during = [t for t in _SlowStep.finished if start + 0.01 < t < end]
+        assert during == []
+        assert len(_SlowStep.finished) == 200
+        assert x.grad is not None
+        assert np.array_equal(x.grad.numpy(), np.ones(4, np.float32))
+    finally:
+        ag.set_default_engine(previous)
+        engine.close()
