@@ -81,6 +81,32 @@ async def test_a_cancelled_waiter_hands_its_turn_on() -> None:
     assert waiting.cancelled()
 
 
+@pytest.mark.timeout(30)
+async def test_a_resumed_coroutine_goes_after_a_timer_that_fell_due_meanwhile() -> None:
+    loop = asyncio.get_running_loop()
+    turns = LoopTurns(loop)
+    order: list[str] = []
+    completed = loop.create_future()
+
+    async def sleeper() -> None:  # a heartbeat, say
+        await asyncio.sleep(0.001)
+        order.append("tick")
+
+    async def resumed() -> None:  # no other coroutine resumed: it takes the turn at once
+        await completed
+        await turns.take_turn()
+        order.append("turn")
+
+    tasks = [asyncio.ensure_future(sleeper()), asyncio.ensure_future(resumed())]
+    await asyncio.sleep(0)  # both wait now
+    # The backward completes while the loop is busy and the sleep falls due: asyncio runs
+    # the worker's callback before the due timer's.
+    _complete_from_a_worker(loop, completed)
+    time.sleep(0.02)  # noqa: ASYNC251  (other work on the loop's thread)
+    await asyncio.gather(*tasks)
+    assert order == ["tick", "turn"]
+
+
 class _SlowStep(ag.Function):
     """A node that takes 2 ms and records when it finished."""
 
