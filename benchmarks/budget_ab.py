@@ -136,6 +136,11 @@ def main() -> None:
                     if args.max_foreign is None or foreign <= args.max_foreign:
                         break
                     dropped += 1
+                print(
+                    f"  {schedule} {name}: {1e3 * case.timed_s:.0f} ms, foreign {foreign:.2f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 walls, ticks, foreigns = results[(schedule, name)]
                 walls.append(case.timed_s)
                 ticks.append(list(case.delays_ms))
