@@ -24,7 +24,9 @@ due (or while the loop was blocked, or with a request's I/O), the coroutine was 
 first and its step and forward pass ran before the sleeper woke. Traced in ``concurrent``
 (natural code): of the ticks over 8 ms late, most had a completion within 0.3 ms of the
 tick's due time, the turn (7-10 ms) starting before the tick. One ``sleep(0)`` per awaited
-backward costs one loop iteration (a few microseconds).
+backward costs one loop iteration (a few microseconds). Its release is scheduled after that
+iteration, as its work starts: scheduled before, the release fired right after the work
+and handed the turn to the next coroutine ahead of a sleeper that fell due during it.
 """
 
 from __future__ import annotations
@@ -50,8 +52,11 @@ class LoopTurns:
         coroutine resumed from a backward pass in this turn, else wait for a later turn
         (FIFO)."""
         if not self._armed:
-            self._arm()
-            await asyncio.sleep(0)  # see the module docstring: a timer that fell due
+            self._armed = True  # coroutines resumed meanwhile wait behind this one
+            try:
+                await asyncio.sleep(0)  # see the module docstring: a timer that fell due
+            finally:
+                self._arm()  # as its work starts (cancelled: hands the turn on)
             return
         waiter = self._loop.create_future()
         self._waiters.append(waiter)

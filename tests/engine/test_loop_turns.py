@@ -107,6 +107,33 @@ async def test_a_resumed_coroutine_goes_after_a_timer_that_fell_due_meanwhile() 
     assert order == ["tick", "turn"]
 
 
+@pytest.mark.timeout(30)
+async def test_a_sleeper_due_during_the_first_resumed_turn_wakes_before_the_second() -> None:
+    loop = asyncio.get_running_loop()
+    turns = LoopTurns(loop)
+    order: list[str] = []
+    completed = [loop.create_future(), loop.create_future()]
+
+    async def sleeper() -> None:
+        await completed[0]
+        await asyncio.sleep(0.001)  # falls due during the first turn's work
+        order.append("tick")
+
+    async def resumed(index: int) -> None:  # two backward passes completed together
+        await completed[index]
+        await turns.take_turn()
+        if index == 0:
+            time.sleep(0.02)  # noqa: ASYNC251  (its step and forward pass)
+        order.append(f"turn {index}")
+
+    tasks = [asyncio.ensure_future(c) for c in (sleeper(), resumed(0), resumed(1))]
+    await asyncio.sleep(0)
+    for future in completed:
+        future.set_result(None)
+    await asyncio.gather(*tasks)
+    assert order == ["turn 0", "tick", "turn 1"]
+
+
 class _SlowStep(ag.Function):
     """A node that takes 2 ms and records when it finished."""
 
