@@ -134,6 +134,33 @@ async def test_a_sleeper_due_during_the_first_resumed_turn_wakes_before_the_seco
     assert order == ["turn 0", "tick", "turn 1"]
 
 
+@pytest.mark.timeout(30)
+async def test_a_resumed_coroutine_goes_after_a_timer_due_by_its_wake_up() -> None:
+    loop = asyncio.get_running_loop()
+    turns = LoopTurns(loop)
+    order: list[str] = []
+    completed = loop.create_future()
+
+    async def sleeper() -> None:
+        await asyncio.sleep(0.002)
+        order.append("tick")
+
+    async def resumed() -> None:
+        await completed
+        await turns.take_turn()
+        order.append("turn")
+
+    def complete() -> None:  # the completion is resolved before the sleeper's timer is due,
+        completed.set_result(None)
+        time.sleep(0.003)  # and the timer falls due before the coroutine wakes
+
+    tasks = [asyncio.ensure_future(sleeper()), asyncio.ensure_future(resumed())]
+    await asyncio.sleep(0)
+    loop.call_later(0.001, complete)
+    await asyncio.gather(*tasks)
+    assert order == ["tick", "turn"]
+
+
 class _SlowStep(ag.Function):
     """A node that takes 2 ms and records when it finished."""
 
