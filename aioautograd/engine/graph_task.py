@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 from aioautograd.anomaly_mode import AnomalyMode, _anomaly
 from aioautograd.autograd.node import Edge, Node
 from aioautograd.autograd.saved import describe
+from aioautograd.devices.cpu_budget import cpu_budget
 from aioautograd.devices.device import stash_current_streams
 from aioautograd.engine.executor import pause_if_due
 from aioautograd.engine.input_buffer import SlotOrder
@@ -465,6 +466,8 @@ class GraphTask:
             if not completed:
                 await self._done_future  # type: ignore[misc]
                 await loop_turns(loop).take_turn()
+                if device.type == "cpu":
+                    cpu_budget().hold_for_turn(loop)
         except asyncio.CancelledError:
             # Prompt: the tasks left are dropped by the workers as they pop them.
             self.cancel()

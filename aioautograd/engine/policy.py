@@ -67,7 +67,10 @@ class EnginePolicy:
             theirs at their next node or product slice, and stay off the cores between the
             forward pass's products instead of coming back for each gap between them
             (``concurrent``, natural code: forward passes on the loop took 4-8 ms instead of
-            ~2.5 while workers kept coming back). 0: only each product is urgent.
+            ~2.5 while workers kept coming back). A coroutine resumed from an awaited CPU
+            backward takes the same hold at once while workers compute (its optimizer step
+            and next forward pass follow on the loop: see ``CpuBudget.hold_for_turn``),
+            lapsing after this long if no product comes. 0: only each product is urgent.
         worker_nice: CPU workers run this much below the process's priority (Linux). 0 by
             default: at +10 the workers lost most of their CPU to any other busy process
             (the aiohttp app under wrk load trained at 5 steps/s instead of 21), while the

@@ -424,3 +424,27 @@ def test_a_worker_pauses_once_its_helper_has_the_chunks() -> None:
     finally:
         alone.leave()
     assert alone_at_pause == [1]  # no helper: the pause comes first, as before
+
+
+@pytest.mark.timeout(30)
+async def test_a_turn_holds_the_cores_only_while_workers_compute() -> None:
+    budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    budget.loop_hold_s = 10.0
+    loop = asyncio.get_running_loop()
+    budget.hold_for_turn(loop)  # nothing computes: nobody to ask, nothing taken
+    assert budget.active == 0
+    budget.enter()  # a worker computes (this thread stands in for it)
+    try:
+        budget.hold_for_turn(loop)
+        assert budget.active == 3  # the worker is over the budget: it parks at its next node
+        events: list[str] = []
+        thread = _start_worker(budget, events)
+        thread.join(0.05)  # still in this callback: a second worker waits for a core
+        assert events == []
+        await asyncio.sleep(0)  # the callback returns: the hold ends
+        thread.join(5)
+        assert events == ["entered"]
+        assert budget.active == 1  # the worker's own count, no hold left
+    finally:
+        budget.leave()
+    assert budget.active == 0
