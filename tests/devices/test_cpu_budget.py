@@ -431,6 +431,12 @@ async def test_a_turn_holds_the_cores_only_while_workers_compute() -> None:
     budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
     budget.loop_hold_s = 10.0
     loop = asyncio.get_running_loop()
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((256, 128)).astype(np.float32)
+    b = rng.standard_normal((128, 256)).astype(np.float32)
+    assert np.array_equal(budget.matmul(a, b), np.matmul(a, b))  # a forward's product: held
+    await asyncio.sleep(0)  # its callback returned: the hold is gone
+    assert budget.active == 0
     budget.hold_for_turn(loop)  # nothing computes: nobody to ask, nothing taken
     assert budget.active == 0
     budget.enter()  # a worker computes (this thread stands in for it)
@@ -448,3 +454,24 @@ async def test_a_turn_holds_the_cores_only_while_workers_compute() -> None:
     finally:
         budget.leave()
     assert budget.active == 0
+
+
+@pytest.mark.timeout(30)
+async def test_a_loop_whose_products_never_took_the_cores_does_not_hold_them_for_its_turn() -> None:
+    # A Python-bound model (products below the split size) runs its turn beside the workers:
+    # holding the cores would only park them while the loop runs Python.
+    budget = CpuBudget(cores=2, min_split_flops=float("inf"), manage_blas=False)
+    budget.loop_hold_s = 10.0
+    loop = asyncio.get_running_loop()
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((64, 64)).astype(np.float32)
+    b = rng.standard_normal((64, 64)).astype(np.float32)
+    result: list[np.ndarray] = []
+    budget.enter()  # a worker computes
+    try:
+        result.append(budget.matmul(a, b))  # too small to split: counted, no hold taken
+        budget.hold_for_turn(loop)
+        assert budget.active == 1  # the worker's own count only
+    finally:
+        budget.leave()
+    assert np.array_equal(result[0], np.matmul(a, b))
