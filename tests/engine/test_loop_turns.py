@@ -196,6 +196,8 @@ async def test_a_coroutine_resumed_from_a_backward_holds_the_cores_for_its_turn(
             h = _SlowStep.apply(h)
         long_pass = asyncio.ensure_future(h.sum().backward())
         assert await asyncio.to_thread(_SlowStep.started.wait, 10)  # that worker computes now
+        w = ag.randn(512, 512)
+        w @ w  # a forward pass's large product on the loop took the cores: its turns hold them
         y = ag.randn(4, requires_grad=True)
         await (y * 2.0).sum().backward()  # completes on the other worker
         assert y.grad is not None
