@@ -56,7 +56,7 @@ def usable_cores() -> int:
 class _ThreadState(threading.local):
     counted: bool = False  # this thread already counts against the budget (a busy worker)
     hold: _LoopHold | None = None  # an event loop's thread: its current hold on the cores
-    product_hold_at: float = -math.inf  # an event loop's thread: its last product's hold...
+    product_hold_at: float = -math.inf  # an event loop's thread: its last large product...
     product_hold_budget: CpuBudget | None = None  # ...on this budget
 
 
@@ -374,14 +374,17 @@ class CpuBudget:
             if splittable and self.active > self.cores:
                 self.wait_for_core()
         loop = None if counted else _get_running_loop()
+        if loop is not None and flops >= self.min_split_flops:
+            # A forward pass with products this large: its turns hold the cores
+            # (``hold_for_turn``), even while a starved helper keeps them whole.
+            _thread.product_hold_at = time.perf_counter()
+            _thread.product_hold_budget = self
         with self._lock:
             if self._holds and loop is None:
                 self._expire_holds()
             hold = None
             if loop is not None and splittable and self.loop_hold_s > 0:
                 hold = self._take_hold(loop)
-                _thread.product_hold_at = time.perf_counter()
-                _thread.product_hold_budget = self
             elif not counted:
                 self._count(1)
             helpers: list[_Helper] = []
@@ -581,8 +584,8 @@ PAIR_CHUNKS = 2
 STARVED_WAIT_S = 0.0005
 STARVED_IN_A_ROW = 3
 SPLIT_BACKOFF_S = 0.2
-# A coroutine's turn holds the cores (``CpuBudget.hold_for_turn``) only on a loop thread whose
-# own products took the hold this recently: a training step's forward pass, a few ms before.
+# A coroutine's turn holds the cores (``CpuBudget.hold_for_turn``) only on a loop thread that
+# ran a product large enough to split this recently: a training step's forward pass.
 TURN_HOLD_MEMORY_S = 1.0
 
 
