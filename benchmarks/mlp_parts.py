@@ -58,13 +58,7 @@ class _Parts:
     async def aio_step(self, clock: Clock) -> tuple[float, float, float]:
         case = self.aio
         t0 = clock()
-        h = case.inputs
-        last = len(case.weights) - 1
-        for i, (w, b) in enumerate(zip(case.weights, case.biases, strict=True)):
-            h = h @ w + b
-            if i < last:
-                h = case.relu(h)
-        loss = case.cross_entropy(h, case.targets, case.one_hot)
+        loss = case.forward_loss()
         t1 = clock()
         await loss.backward()
         t2 = clock()

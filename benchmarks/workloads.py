@@ -554,14 +554,19 @@ class _AioMlp(Case):
         self.relu, self.relu_impl = aio_relu()
         self.cross_entropy, self.loss_impl = aio_cross_entropy()
 
-    async def run(self) -> float:
+    def forward_loss(self) -> ag.Tensor:
+        """The step's forward pass and loss (``mlp_parts.py`` and ``gpu_profile.py`` time the
+        step's parts around it)."""
         h = self.inputs
         last = len(self.weights) - 1
         for i, (w, b) in enumerate(zip(self.weights, self.biases, strict=True)):
             h = h @ w + b
             if i < last:
                 h = self.relu(h)
-        loss = self.cross_entropy(h, self.targets, self.one_hot)
+        return self.cross_entropy(h, self.targets, self.one_hot)
+
+    async def run(self) -> float:
+        loss = self.forward_loss()
         await loss.backward()
         with ag.no_grad():
             for p in self.params:

@@ -164,7 +164,7 @@ class CpuBudget:
         self.split_products = 0  # products run in parts (observability)
         self.split_backoffs = 0  # times splitting paused because helpers were starved
         self.sliced_products = 0  # products run in sequential slices (observability)
-        self.paired_products = 0  # pairs of products run whole on two threads (observability)
+        self.paired_products = 0  # pairs of products run side by side (observability)
         self.slice_flops = 1.0e8
         self.loop_hold_s = 0.0  # see EnginePolicy.loop_hold_s
         self._holds: list[_LoopHold] = []
@@ -546,8 +546,8 @@ class CpuBudget:
 
 
 def _pairable(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any], min_flops: float) -> bool:
-    """Whether ``a @ b`` is a large product that :meth:`CpuBudget.matmul_pair` may run whole
-    on another thread (floating point, ``a`` 2-D or batched, ``b`` 2-D)."""
+    """Whether ``a @ b`` is a large product that :meth:`CpuBudget.matmul_pair` may run beside
+    another, in chunks on two threads (floating point, ``a`` 2-D or batched, ``b`` 2-D)."""
     return (
         a.dtype.kind in "fc"
         and b.dtype.kind in "fc"
