@@ -115,14 +115,7 @@ def test_a_worker_starts_only_when_a_core_is_free() -> None:
     budget = CpuBudget(cores=1, min_split_flops=1e30, manage_blas=False)
     events: list[str] = []
     assert budget.enter()  # this thread takes the only core
-
-    def worker() -> None:
-        budget.enter()
-        events.append("entered")
-        budget.leave()
-
-    thread = threading.Thread(target=worker)
-    thread.start()
+    thread = _start_worker(budget, events)
     time.sleep(0.05)
     assert events == []  # waiting for the core
     budget.leave()
