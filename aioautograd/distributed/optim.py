@@ -18,6 +18,7 @@ from typing import Any
 from aioautograd import optim as local_optim
 from aioautograd.autograd.unawaited import _pending, check_awaited
 from aioautograd.distributed.autograd.dist_engine import INTERNAL_FUNCTIONS, container_of
+from aioautograd.distributed.rpc.futures import settle
 from aioautograd.distributed.rpc.registry import INTERNAL_PREFIX, default_name
 from aioautograd.distributed.rpc.rref import RRef
 from aioautograd.distributed.rpc.worker import WorkerInfo, current_agent
@@ -172,16 +173,7 @@ class DistributedOptimizer:
                     rref.local_value().step(context_id)
         finally:
             # Every step finishes (or fails) before this returns, as PyTorch waits for all.
-            if len(remote) == 1:  # two workers: await the one call, no gather around it
-                results: list[BaseException | None] = [None]
-                try:
-                    await remote[0]
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    results = [exc]
-            else:
-                results = await asyncio.gather(*remote, return_exceptions=True)
+            results = await settle(remote)
         for result in results:
             if isinstance(result, BaseException):
                 raise result

@@ -28,6 +28,7 @@ from aioautograd.distributed.autograd.context import (
 )
 from aioautograd.distributed.autograd.send_recv import RecvRpcBackward, SendRpcBackward
 from aioautograd.distributed.rpc.agent import RpcAgent
+from aioautograd.distributed.rpc.futures import settle
 from aioautograd.distributed.rpc.interceptors import (
     MessageInfo,
     RpcInterceptor,
@@ -242,20 +243,9 @@ async def release_on(agent: RpcAgent, context: DistAutogradContext, skip: str | 
         workers = sorted(context.known_workers - {skip, agent.info.name})
     if not workers:
         return
-    results: list[BaseException | None]
-    if len(workers) == 1:  # the common case (two workers): no task and no gather
-        try:
-            await agent.call(workers[0], RELEASE, (context.context_id,))
-            results = [None]
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            results = [exc]
-    else:
-        results = await asyncio.gather(
-            *(agent.call(worker, RELEASE, (context.context_id,)) for worker in workers),
-            return_exceptions=True,
-        )
+    results = await settle(
+        [agent.call(worker, RELEASE, (context.context_id,)) for worker in workers]
+    )
     for worker, result in zip(workers, results, strict=True):
         if isinstance(result, BaseException):
             logger.warning(

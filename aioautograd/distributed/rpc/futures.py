@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -84,3 +84,17 @@ def _copy_outcome(source: asyncio.Future[Any], target: asyncio.Future[Any]) -> N
         target.set_exception(source.exception())  # type: ignore[arg-type]
     else:
         target.set_result(source.result())
+
+
+async def settle(awaitables: Sequence[Awaitable[Any]]) -> list[Any]:
+    """``asyncio.gather(*awaitables, return_exceptions=True)``: each result, or the exception
+    it raised. A single awaitable (one peer: the two-worker case of a release or an
+    optimizer step) is awaited directly, with no gather and no task around it."""
+    if len(awaitables) != 1:
+        return await asyncio.gather(*awaitables, return_exceptions=True)
+    try:
+        return [await awaitables[0]]
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        return [exc]
