@@ -6,6 +6,7 @@ share this process).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -122,3 +123,19 @@ async def stash_loss(key: str, hidden: ag.Tensor) -> ag.Tensor:
 async def boom_then(to: str, fn: str, next_key: str, x: ag.Tensor) -> ag.Tensor:
     """``Boom`` here (its backward raises), then ``fn`` on worker ``to``."""
     return await rpc.rpc_async(to, fn, args=(next_key, Boom.apply(x)))
+
+
+class Sleepy(Function):
+    """The identity, whose backward takes ``SLEEPY_S`` seconds (on an executor thread)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: ag.Tensor) -> ag.Tensor:
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, grad: ag.Tensor) -> ag.Tensor:
+        time.sleep(SLEEPY_S)
+        return grad
+
+
+SLEEPY_S = 0.5

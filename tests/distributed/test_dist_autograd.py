@@ -219,6 +219,33 @@ async def test_an_error_in_a_pass_from_an_answer_fails_backward(world: World) ->
     await _assert_clean(world)
 
 
+async def test_a_backward_cancelled_in_a_pass_from_an_answer_leaves_nothing_behind(
+    world: World,
+) -> None:
+    # The driver's pass of the gradient that came back in worker1's answer is slow; the
+    # backward is cancelled (a timeout) while that pass runs: the context still leaves
+    # cleanly everywhere and the next backward works.
+    x, w1 = _array(3, 4), _array(4, 2)
+    k1 = await _place("worker1", w1)
+    p0 = ag.tensor(_array(3, 4), requires_grad=True)
+    async with dist_autograd.context() as context_id:
+        h = dist_fns.Sleepy.apply(ag.tensor(x) * p0)
+        loss = await rpc.rpc_async("worker1", dist_fns.square_loss, args=(k1, h))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(dist_autograd.backward(context_id, [loss]), 0.2)
+        assert dist_autograd.get_debug_info()["num_current_backward_passes"] == 0
+    await asyncio.sleep(dist_fns.SLEEPY_S + 0.2)  # the node already running finishes
+    await _assert_clean(world)
+    async with dist_autograd.context() as context_id:
+        loss = await rpc.rpc_async("worker1", dist_fns.square_loss, args=(k1, ag.tensor(x) * p0))
+        await dist_autograd.backward(context_id, [loss])
+        got = dist_autograd.get_gradients(context_id)[p0].numpy()
+    params = [ag.tensor(w.copy(), requires_grad=True) for w in (p0.detach().numpy(), w1)]
+    await (((ag.tensor(x) * params[0]) @ params[1]) ** 2).mean().backward()
+    np.testing.assert_allclose(got, params[0].grad.numpy(), rtol=1e-12, atol=1e-14)
+    await _assert_clean(world)
+
+
 async def test_a_malformed_backward_exchange_is_refused_clearly(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
