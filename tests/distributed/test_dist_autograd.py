@@ -186,6 +186,46 @@ async def test_gradients_travel_up_a_chain_of_waiting_workers(
     await _assert_clean(world)
 
 
+async def test_a_tensor_of_another_context_gets_its_gradient_in_that_context(
+    world: World,
+) -> None:
+    # worker1 keeps a tensor the driver sent it in context 1, and uses it in context 2. The
+    # backward of context 2 reaches its RecvRpcBackward of context 1 inside the pass it
+    # serves for context 2: that gradient goes to the driver's pass of context 1 (a request
+    # of its own), not in the answer of context 2's pass.
+    x, w0 = _array(3, 4), _array(4, 5)
+    p0 = ag.tensor(w0.copy(), requires_grad=True)
+    key = f"s{next(_keys)}"
+    held: asyncio.Queue[int] = asyncio.Queue()
+    done = asyncio.Event()
+
+    async def hold_first_context() -> np.ndarray:
+        async with dist_autograd.context() as first:
+            await rpc.rpc_async("worker1", dist_fns.stash, args=(key, (ag.tensor(x) @ p0).tanh()))
+            await held.put(first)
+            await done.wait()
+            return dist_autograd.get_gradients(first)[p0].numpy()
+
+    holder = asyncio.create_task(hold_first_context())
+    first = await asyncio.wait_for(held.get(), 10)
+    async with dist_autograd.context() as second:
+        hidden = ag.tensor(x) @ p0
+        loss = await rpc.rpc_async("worker1", dist_fns.stash_loss, args=(key, hidden))
+        await asyncio.wait_for(dist_autograd.backward(second, [loss]), 10)
+        got_second = dist_autograd.get_gradients(second)[p0].numpy()
+    assert second != first
+    done.set()
+    got_first = await asyncio.wait_for(holder, 10)
+    # The same function in one process, each path's gradient apart.
+    stashed = ag.tensor(w0.copy(), requires_grad=True)
+    direct = ag.tensor(w0.copy(), requires_grad=True)
+    x_t = ag.tensor(x)
+    await (((x_t @ direct) ** 2).mean() * ((x_t @ stashed).tanh() ** 2).mean()).backward()
+    np.testing.assert_allclose(got_first, stashed.grad.numpy(), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(got_second, direct.grad.numpy(), rtol=1e-12, atol=1e-14)
+    await _assert_clean(world)
+
+
 async def test_an_error_in_a_pass_from_an_answer_fails_backward(world: World) -> None:
     # The driver's own pass of the gradient that came back in worker1's answer fails: the
     # backward fails with that error (raised here, where it happened), and the next one works.

@@ -74,10 +74,12 @@ CONTEXT_FUNCTIONS = frozenset({FETCH, METHOD})
 
 @dataclass(slots=True)
 class ServedPass:
-    """A pass this worker runs for a ``BACKWARD`` request: the workers awaiting its answer
-    (the root first) and the gradients for them its ``RecvRpcBackward`` nodes left in it,
-    ``[worker, message_id, grads]`` each."""
+    """A pass this worker runs for a ``BACKWARD`` request of context ``context_id``: the
+    workers awaiting its answer (the root first) and the gradients for them its
+    ``RecvRpcBackward`` nodes of that context left in it, ``[worker, message_id, grads]``
+    each."""
 
+    context_id: int
     chain: tuple[str, ...]
     deferred: list[list[Any]]
 
@@ -261,6 +263,10 @@ async def send_gradients(node: RecvRpcBackward, grads: list[Tensor | None]) -> N
     node's tensors and wait for it, or leave them in the answer of the served pass when that
     worker awaits it (see the module doc)."""
     served = _served_pass.get()
+    if served is not None and served.context_id != node.context_id:
+        # A tensor of another context, used in this one: the answer's gradients are run in
+        # the answer's context, so these take a request of their own, awaited here.
+        served = None
     sender = node.sender.name
     if served is not None and sender in served.chain:
         served.deferred.append([sender, node.message_id, grads])
@@ -354,7 +360,7 @@ async def _backward_handler(
     _add_roots(context.send_function(message_id), grads, roots, inputs)
     if not roots:
         return None
-    served = ServedPass(tuple(chain), [])
+    served = ServedPass(context_id, tuple(chain), [])
     await run_pass(container, context, roots, inputs, served)
     return served.deferred or None
 
