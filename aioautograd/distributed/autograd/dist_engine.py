@@ -12,13 +12,13 @@ passes); it is released with the context.
 
 Gradients for a worker that awaits the running pass travel in its answer. A ``BACKWARD``
 request names the chain of workers whose ``RecvRpcBackward`` waits for it (the root first).
-When a pass served here reaches a ``RecvRpcBackward`` whose sender is on that chain, it does
-not call the sender (who would answer only after its own pass: one more round trip on the
-critical path) but puts the gradients in this pass's answer; the ``RecvRpcBackward`` on the
-chain that receives them runs their pass before it returns (or hands them on up the chain),
-so it still ends only when every pass it caused has ended, and an error in one still fails
-it. In a two-worker step (the root sends its gradient to worker 1, whose pass sends one
-back) the backward is one round trip instead of two.
+When a pass served here reaches a ``RecvRpcBackward`` of the pass's context whose sender is
+on that chain, it does not call the sender (who would answer only after its own pass: one
+more round trip on the critical path) but puts the gradients in this pass's answer; the
+``RecvRpcBackward`` on the chain that receives them runs their pass before it returns (or
+hands them on up the chain), so it still ends only when every pass it caused has ended, and
+an error in one still fails it. In a two-worker step (the root sends its gradient to worker
+1, whose pass sends one back) the backward is one round trip instead of two.
 """
 
 from __future__ import annotations
