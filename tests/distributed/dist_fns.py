@@ -6,6 +6,7 @@ share this process).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -99,3 +100,42 @@ async def has_context(context_id: int) -> bool:
 @rpc.register
 async def linear_out(key: str, x: ag.Tensor) -> ag.Tensor:
     return x @ _params[_me(), key]
+
+
+_stash: dict[tuple[str, str], ag.Tensor] = {}
+
+
+@rpc.register
+async def stash(key: str, x: ag.Tensor) -> None:
+    """Keep ``x`` (received in the caller's context) for a later ``stash_loss``."""
+    _stash[_me(), key] = x
+
+
+@rpc.register
+async def stash_loss(key: str, hidden: ag.Tensor) -> ag.Tensor:
+    """``mean(hidden²) · mean(stashed²)``: this worker's pass reaches the stashed tensor's
+    sender too, not only ``hidden``'s."""
+    stashed = _stash.pop((_me(), key))
+    return (hidden**2).mean() * (stashed**2).mean()
+
+
+@rpc.register
+async def boom_then(to: str, fn: str, next_key: str, x: ag.Tensor) -> ag.Tensor:
+    """``Boom`` here (its backward raises), then ``fn`` on worker ``to``."""
+    return await rpc.rpc_async(to, fn, args=(next_key, Boom.apply(x)))
+
+
+class Sleepy(Function):
+    """The identity, whose backward takes ``SLEEPY_S`` seconds (on an executor thread)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: ag.Tensor) -> ag.Tensor:
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, grad: ag.Tensor) -> ag.Tensor:
+        time.sleep(SLEEPY_S)
+        return grad
+
+
+SLEEPY_S = 0.5

@@ -16,10 +16,10 @@ import aioautograd as ag
 from aioautograd import optim
 from aioautograd.distributed import autograd as dist_autograd
 from aioautograd.distributed import rpc
-from aioautograd.distributed.autograd.dist_engine import RELEASE, container_of
+from aioautograd.distributed.autograd.dist_engine import BACKWARD, RELEASE, container_of
 from aioautograd.distributed.optim import STEP, DistributedOptimizer
 from aioautograd.distributed.rpc.agent import RpcAgent
-from aioautograd.distributed.rpc.worker import current_agent
+from aioautograd.distributed.rpc.worker import _live_agents, current_agent
 from aioautograd.engine.engine import Engine
 from tests.distributed import dist_fns
 from tests.distributed.conftest import FAST_HEARTBEAT, World, in_fresh_context, start_world
@@ -114,6 +114,203 @@ async def test_pipeline_over_three_workers_with_a_nested_call(world: World) -> N
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-14)
     assert not await rpc.rpc_async("worker3", dist_fns.has_context, args=(context_id,))
+    await _assert_clean(world)
+
+
+def _record_backward_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """(caller, callee) of every BACKWARD request from now on (local backend: all agents)."""
+    sent: list[tuple[str, str]] = []
+    prepare = RpcAgent._prepare
+
+    def recording_prepare(self: RpcAgent, to: object, fn: object, *args: object) -> object:
+        if rpc.registry.name_of(fn) == BACKWARD:  # type: ignore[arg-type]
+            sent.append((self.info.name, self.worker_info(to).name))  # type: ignore[arg-type]
+        return prepare(self, to, fn, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RpcAgent, "_prepare", recording_prepare)
+    return sent
+
+
+async def test_gradients_for_the_waiting_worker_travel_in_the_answer(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The driver's pass sends worker1 its gradient; worker1's pass reaches the tensor the
+    # driver sent it, and the driver awaits that pass: the gradient for the driver comes back
+    # in the answer (one round trip), not as a request of its own.
+    sent = _record_backward_calls(monkeypatch)
+    x, w0, w1 = _array(5, 4), _array(4, 6), _array(6, 2)
+    k1 = await _place("worker1", w1)
+    p0 = ag.tensor(w0.copy(), requires_grad=True)
+    async with dist_autograd.context() as context_id:
+        h = (ag.tensor(x) @ p0).tanh()
+        loss = await rpc.rpc_async("worker1", dist_fns.square_loss, args=(k1, h))
+        await dist_autograd.backward(context_id, [loss])
+        got = [dist_autograd.get_gradients(context_id)[p0].numpy()]
+        got.append(await rpc.rpc_async("worker1", dist_fns.context_grad, args=(k1, context_id)))
+    assert sent == [("driver", "worker1")]
+    expected = await _reference(x, [w0, w1], ["linear", "loss"])
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-14)
+    await _assert_clean(world)
+
+
+async def test_gradients_travel_up_a_chain_of_waiting_workers(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # driver -> worker1 -> worker2, and worker2 also holds a tensor the driver sent it. The
+    # driver's pass calls worker1, whose pass calls worker2; worker2's pass reaches both
+    # senders, which await it: the gradient for worker1 runs there when the answer arrives,
+    # the one for the driver travels on in worker1's answer.
+    sent = _record_backward_calls(monkeypatch)
+    x, w0, w1 = _array(3, 4), _array(4, 4), _array(4, 5)
+    k1 = await _place("worker1", w1)
+    p0 = ag.tensor(w0.copy(), requires_grad=True)
+    key = f"s{next(_keys)}"
+    stash_loss = rpc.registry.name_of(dist_fns.stash_loss)
+    async with dist_autograd.context() as context_id:
+        h = (ag.tensor(x) @ p0).tanh()
+        await rpc.rpc_async("worker2", dist_fns.stash, args=(key, h * 3.0))
+        loss = await rpc.rpc_async(
+            "worker1", dist_fns.linear_then, args=(k1, "worker2", stash_loss, key, h)
+        )
+        await dist_autograd.backward(context_id, [loss])
+        got = [dist_autograd.get_gradients(context_id)[p0].numpy()]
+        got.append(await rpc.rpc_async("worker1", dist_fns.context_grad, args=(k1, context_id)))
+    assert sent == [("driver", "worker1"), ("worker1", "worker2")]
+    params = [ag.tensor(w.copy(), requires_grad=True) for w in (w0, w1)]
+    h = (ag.tensor(x) @ params[0]).tanh()
+    hidden = (h @ params[1]).tanh()
+    await ((hidden**2).mean() * ((h * 3.0) ** 2).mean()).backward()
+    for g, param in zip(got, params, strict=True):
+        np.testing.assert_allclose(g, param.grad.numpy(), rtol=1e-12, atol=1e-14)
+    await _assert_clean(world)
+
+
+async def test_a_tensor_of_another_context_gets_its_gradient_in_that_context(
+    world: World,
+) -> None:
+    # worker1 keeps a tensor the driver sent it in context 1, and uses it in context 2. The
+    # backward of context 2 reaches its RecvRpcBackward of context 1 inside the pass it
+    # serves for context 2: that gradient goes to the driver's pass of context 1 (a request
+    # of its own), not in the answer of context 2's pass.
+    x, w0 = _array(3, 4), _array(4, 5)
+    p0 = ag.tensor(w0.copy(), requires_grad=True)
+    key = f"s{next(_keys)}"
+    held: asyncio.Queue[int] = asyncio.Queue()
+    done = asyncio.Event()
+
+    async def hold_first_context() -> np.ndarray:
+        async with dist_autograd.context() as first:
+            await rpc.rpc_async("worker1", dist_fns.stash, args=(key, (ag.tensor(x) @ p0).tanh()))
+            await held.put(first)
+            await done.wait()
+            return dist_autograd.get_gradients(first)[p0].numpy()
+
+    holder = asyncio.create_task(hold_first_context())
+    first = await asyncio.wait_for(held.get(), 10)
+    async with dist_autograd.context() as second:
+        hidden = ag.tensor(x) @ p0
+        loss = await rpc.rpc_async("worker1", dist_fns.stash_loss, args=(key, hidden))
+        await asyncio.wait_for(dist_autograd.backward(second, [loss]), 10)
+        got_second = dist_autograd.get_gradients(second)[p0].numpy()
+    assert second != first
+    done.set()
+    got_first = await asyncio.wait_for(holder, 10)
+    # The same function in one process, each path's gradient apart.
+    stashed = ag.tensor(w0.copy(), requires_grad=True)
+    direct = ag.tensor(w0.copy(), requires_grad=True)
+    x_t = ag.tensor(x)
+    await (((x_t @ direct) ** 2).mean() * ((x_t @ stashed).tanh() ** 2).mean()).backward()
+    np.testing.assert_allclose(got_first, stashed.grad.numpy(), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(got_second, direct.grad.numpy(), rtol=1e-12, atol=1e-14)
+    await _assert_clean(world)
+
+
+async def test_an_error_in_a_pass_from_an_answer_fails_backward(world: World) -> None:
+    # The driver's own pass of the gradient that came back in worker1's answer fails: the
+    # backward fails with that error (raised here, where it happened), and the next one works.
+    x, w1 = _array(3, 4), _array(4, 2)
+    k1 = await _place("worker1", w1)
+    p0 = ag.tensor(_array(3, 4), requires_grad=True)
+    async with dist_autograd.context() as context_id:
+        h = dist_fns.Boom.apply(ag.tensor(x) * p0)
+        loss = await rpc.rpc_async("worker1", dist_fns.square_loss, args=(k1, h))
+        with pytest.raises(ValueError, match="boom in backward"):
+            await asyncio.wait_for(dist_autograd.backward(context_id, [loss]), 10)
+        assert p0 not in dist_autograd.get_gradients(context_id)
+    await _assert_clean(world)
+    # ... and on a worker of the chain: worker1 runs the pass of the gradient worker2 left in
+    # its answer; its failure reaches the driver with worker1's name.
+    k2 = await _place("worker2", _array(4, 2))
+    loss_fn = rpc.registry.name_of(dist_fns.square_loss)
+    async with dist_autograd.context() as context_id:
+        h = ag.tensor(x) * p0
+        loss = await rpc.rpc_async("worker1", dist_fns.boom_then, args=("worker2", loss_fn, k2, h))
+        with pytest.raises(rpc.RemoteError) as info:
+            await asyncio.wait_for(dist_autograd.backward(context_id, [loss]), 10)
+        assert info.value.worker_name == "worker1"
+        assert isinstance(info.value, ValueError)
+        assert "boom in backward" in str(info.value)
+    await _assert_clean(world)
+    async with dist_autograd.context() as context_id:
+        loss = await rpc.rpc_async("worker1", dist_fns.square_loss, args=(k1, ag.tensor(x) * p0))
+        await dist_autograd.backward(context_id, [loss])
+        assert p0 in dist_autograd.get_gradients(context_id)
+    await _assert_clean(world)
+
+
+async def test_a_backward_cancelled_in_a_pass_from_an_answer_leaves_nothing_behind(
+    world: World,
+) -> None:
+    # The driver's pass of the gradient that came back in worker1's answer is slow; the
+    # backward is cancelled (a timeout) while that pass runs: the context still leaves
+    # cleanly everywhere and the next backward works.
+    x, w1 = _array(3, 4), _array(4, 2)
+    k1 = await _place("worker1", w1)
+    p0 = ag.tensor(_array(3, 4), requires_grad=True)
+    async with dist_autograd.context() as context_id:
+        h = dist_fns.Sleepy.apply(ag.tensor(x) * p0)
+        loss = await rpc.rpc_async("worker1", dist_fns.square_loss, args=(k1, h))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(dist_autograd.backward(context_id, [loss]), 0.2)
+        assert dist_autograd.get_debug_info()["num_current_backward_passes"] == 0
+    await asyncio.sleep(dist_fns.SLEEPY_S + 0.2)  # the node already running finishes
+    await _assert_clean(world)
+    async with dist_autograd.context() as context_id:
+        loss = await rpc.rpc_async("worker1", dist_fns.square_loss, args=(k1, ag.tensor(x) * p0))
+        await dist_autograd.backward(context_id, [loss])
+        got = dist_autograd.get_gradients(context_id)[p0].numpy()
+    params = [ag.tensor(w.copy(), requires_grad=True) for w in (p0.detach().numpy(), w1)]
+    await (((ag.tensor(x) * params[0]) @ params[1]) ** 2).mean().backward()
+    np.testing.assert_allclose(got, params[0].grad.numpy(), rtol=1e-12, atol=1e-14)
+    await _assert_clean(world)
+
+
+async def test_a_malformed_backward_exchange_is_refused_clearly(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A request whose chain of waiting workers is not a list of names, and an answer that
+    # names a worker that does not await the pass, fail with errors that say so.
+    with pytest.raises(rpc.RemoteError, match="expected a list of workers"):
+        await current_agent().call("worker1", BACKWARD, (1, 1, [], 5))
+    agent1 = next(agent for agent in _live_agents if agent.info.name == "worker1")
+
+    async def stray_answer(src: object, *args: object) -> list[object]:
+        return [["worker3", 1, [None]]]
+
+    monkeypatch.setitem(agent1._internal, BACKWARD, stray_answer)
+    x, w1 = _array(3, 4), _array(4, 2)
+    k1 = await _place("worker1", w1)
+    p0 = ag.tensor(_array(3, 4), requires_grad=True)
+    async with dist_autograd.context() as context_id:
+        loss = await rpc.rpc_async("worker1", dist_fns.square_loss, args=(k1, ag.tensor(x) * p0))
+        with pytest.raises(rpc.MalformedMessageError, match="'worker3', which does not await"):
+            await asyncio.wait_for(dist_autograd.backward(context_id, [loss]), 10)
+    monkeypatch.undo()
+    async with dist_autograd.context() as context_id:
+        loss = await rpc.rpc_async("worker1", dist_fns.square_loss, args=(k1, ag.tensor(x) * p0))
+        await dist_autograd.backward(context_id, [loss])
+        assert p0 in dist_autograd.get_gradients(context_id)
     await _assert_clean(world)
 
 

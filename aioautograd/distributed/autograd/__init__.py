@@ -15,10 +15,13 @@ Every RPC inside a context that carries tensors requiring grad records a
 responses alike, nested calls included). ``backward`` runs FAST mode as a set of local passes
 (:mod:`.dist_engine`): gradients are accumulated into the context on each worker, never into
 ``.grad``, and the call returns when every worker's pass has finished. A send whose
-gradient is never produced simply starts no pass. Errors on any worker surface on the caller
-as :class:`~aioautograd.distributed.rpc.RemoteError` with the worker's name; leaving the
-context releases it on every worker involved; contexts whose creator vanished expire
-(:func:`set_context_ttl`).
+gradient is never produced simply starts no pass; gradients for a worker that awaits the
+pass producing them come back in its answer rather than in a request of their own (one
+round trip per hop, not two). Errors on any other worker surface on the caller as
+:class:`~aioautograd.distributed.rpc.RemoteError` with the worker's name (the caller's own
+errors, also in the passes that gradients coming back start there, are raised as they
+are); leaving the context releases it on every worker involved; contexts whose creator
+vanished expire (:func:`set_context_ttl`).
 
 Debugging (PyTorch's private helpers, public here): :func:`retrieve_context`,
 :func:`current_context` (the :class:`DistAutogradContext` with its send and recv functions

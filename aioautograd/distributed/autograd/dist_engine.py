@@ -9,6 +9,16 @@ of local passes: one on the caller from the roots, and one on a worker each time
 receives a gradient starts no pass and blocks nothing. Leaves accumulate into the context
 through the engine's leaf hook. Passes keep the graph (a subgraph may be reached by several
 passes); it is released with the context.
+
+Gradients for a worker that awaits the running pass travel in its answer. A ``BACKWARD``
+request names the chain of workers whose ``RecvRpcBackward`` waits for it (the root first).
+When a pass served here reaches a ``RecvRpcBackward`` of the pass's context whose sender is
+on that chain, it does not call the sender (who would answer only after its own pass: one
+more round trip on the critical path) but puts the gradients in this pass's answer; the
+``RecvRpcBackward`` on the chain that receives them runs their pass before it returns (or
+hands them on up the chain), so it still ends only when every pass it caused has ended, and
+an error in one still fails it. In a two-worker step (the root sends its gradient to worker
+1, whose pass sends one back) the backward is one round trip instead of two.
 """
 
 from __future__ import annotations
@@ -16,6 +26,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 from aioautograd.autograd.node import Edge
@@ -28,6 +41,7 @@ from aioautograd.distributed.autograd.context import (
 )
 from aioautograd.distributed.autograd.send_recv import RecvRpcBackward, SendRpcBackward
 from aioautograd.distributed.rpc.agent import RpcAgent
+from aioautograd.distributed.rpc.errors import MalformedMessageError
 from aioautograd.distributed.rpc.futures import settle
 from aioautograd.distributed.rpc.interceptors import (
     MessageInfo,
@@ -39,6 +53,7 @@ from aioautograd.distributed.rpc.rref import FETCH, METHOD, RREF_BACKWARD, RRef,
 from aioautograd.distributed.rpc.worker import WorkerInfo, current_agent, from_backward
 from aioautograd.engine.api import _make_grads, _root_edges
 from aioautograd.engine.engine import Engine
+from aioautograd.engine.graph_task import current_graph_task
 from aioautograd.tensor import Tensor
 
 logger = logging.getLogger("aioautograd.distributed.autograd")
@@ -55,6 +70,24 @@ INTERNAL_FUNCTIONS: dict[str, Any] = {}
 # runs in it, so an RRef's value fetched (``to_here``) or a method run through an RRef proxy
 # inside a context is recorded for backward.
 CONTEXT_FUNCTIONS = frozenset({FETCH, METHOD})
+
+
+@dataclass(slots=True)
+class ServedPass:
+    """A pass this worker runs for a ``BACKWARD`` request of context ``context_id``: the
+    workers awaiting its answer (the root first) and the gradients for them its
+    ``RecvRpcBackward`` nodes of that context left in it, ``[worker, message_id, grads]``
+    each."""
+
+    context_id: int
+    chain: tuple[str, ...]
+    deferred: list[list[Any]]
+
+
+# The served pass of the running backward (None on the root: nobody awaits its answer).
+_served_pass: ContextVar[ServedPass | None] = ContextVar(
+    "aioautograd_dist_autograd_served_pass", default=None
+)
 
 
 def task_context() -> DistAutogradContext | None:
@@ -146,17 +179,22 @@ async def run_pass(
     context: DistAutogradContext,
     roots: Sequence[Edge],
     grads: Sequence[Tensor | None],
+    served: ServedPass | None = None,
 ) -> None:
-    """One local pass of a distributed backward: leaves accumulate into ``context``."""
+    """One local pass of a distributed backward: leaves accumulate into ``context``;
+    ``served``: the request it answers (None on the root)."""
     with context.lock:
         context.active_passes += 1
-    # Nodes (a Function.backward on an executor thread) see the context and the worker.
+    # Nodes (a Function.backward on an executor thread) see the context and the worker;
+    # RecvRpcBackward nodes see who awaits the pass.
     token = _current_context.set(context)
+    served_token = _served_pass.set(served)
     try:
         await Engine.get_default_engine().execute(
             roots, grads, True, False, True, leaf_hook=context.accumulate
         )
     finally:
+        _served_pass.reset(served_token)
         _current_context.reset(token)
         with context.lock:
             context.active_passes -= 1
@@ -220,21 +258,111 @@ async def _backward(context_id: int, roots: Sequence[Tensor], retain_graph: bool
     await run_pass(container, context, edges, grads)
 
 
-# ---------------------------------------------------------------------- internal handlers
-async def _backward_handler(
-    src: WorkerInfo, context_id: int, message_id: int, grads: list[Tensor | None]
+async def send_gradients(node: RecvRpcBackward, grads: list[Tensor | None]) -> None:
+    """``RecvRpcBackward.apply``: start the pass of ``grads`` on the worker that sent the
+    node's tensors and wait for it, or leave them in the answer of the served pass when that
+    worker awaits it (see the module doc)."""
+    served = _served_pass.get()
+    if served is not None and served.context_id != node.context_id:
+        # A tensor of another context, used in this one: the answer's gradients are run in
+        # the answer's context, so these take a request of their own, awaited here.
+        served = None
+    sender = node.sender.name
+    if served is not None and sender in served.chain:
+        served.deferred.append([sender, node.message_id, grads])
+        return
+    agent = node.agent
+    me = agent.info.name
+    chain = [me] if served is None else [*served.chain, me]
+    deferred = await agent.call(
+        node.sender, BACKWARD, (node.context_id, node.message_id, grads, chain)
+    )
+    if deferred:
+        await _run_deferred(agent, node.context_id, deferred, served)
+
+
+async def _run_deferred(
+    agent: RpcAgent, context_id: int, deferred: Any, served: ServedPass | None
 ) -> None:
-    container = container_of()
+    # The gradients a BACKWARD answer brought back: this worker's run in one pass (by
+    # message id: the same order whatever the scheduling was), the rest go on up the chain.
+    me = agent.info.name
+    mine: list[tuple[int, list[Tensor | None]]] = []
+    if not isinstance(deferred, list):
+        raise MalformedMessageError("malformed backward answer: expected a list of gradients")
+    for entry in deferred:
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 3
+            and isinstance(entry[0], str)
+            and isinstance(entry[1], int)
+            and isinstance(entry[2], list)
+        ):
+            raise MalformedMessageError(
+                "malformed backward answer: expected [worker, message_id, gradients] entries"
+            )
+        worker, message_id, grads = entry
+        if worker == me:
+            mine.append((message_id, grads))
+        elif served is not None and worker in served.chain:
+            served.deferred.append(entry)
+        else:
+            raise MalformedMessageError(
+                f"malformed backward answer: gradients for worker {worker!r}, which does not "
+                f"await this pass on worker {me!r}"
+            )
+    if not mine:
+        return
+    container = container_of(agent)
     context = container.get(context_id)
-    send = context.send_function(message_id)
     roots: list[Edge] = []
     inputs: list[Tensor | None] = []
+    for message_id, grads in sorted(mine, key=itemgetter(0)):
+        _add_roots(context.send_function(message_id), grads, roots, inputs)
+    if not roots:
+        return
+    # A pass of its own, as a request's would be (not a reentrant child of the pass that
+    # awaits this node: that one would never run inline).
+    token = current_graph_task.set(None)
+    try:
+        await run_pass(container, context, roots, inputs, served)
+    finally:
+        current_graph_task.reset(token)
+
+
+def _add_roots(
+    send: SendRpcBackward,
+    grads: list[Tensor | None],
+    roots: list[Edge],
+    inputs: list[Tensor | None],
+) -> None:
     for i, grad in enumerate(grads):
         if grad is not None:
             roots.append((send, i))
             inputs.append(grad)
-    if roots:
-        await run_pass(container, context, roots, inputs)
+
+
+# ---------------------------------------------------------------------- internal handlers
+async def _backward_handler(
+    src: WorkerInfo,
+    context_id: int,
+    message_id: int,
+    grads: list[Tensor | None],
+    chain: list[str],
+) -> list[list[Any]] | None:
+    # Answers the gradients its pass left for the workers of ``chain`` (None: none).
+    if not (isinstance(chain, list) and all(isinstance(name, str) for name in chain)):
+        raise MalformedMessageError("malformed backward request: expected a list of workers")
+    container = container_of()
+    context = container.get(context_id)
+    roots: list[Edge] = []
+    inputs: list[Tensor | None] = []
+    _add_roots(context.send_function(message_id), grads, roots, inputs)
+    if not roots:
+        return None
+    served = ServedPass(context_id, tuple(chain), [])
+    await run_pass(container, context, roots, inputs, served)
+    return served.deferred or None
 
 
 async def release_on(agent: RpcAgent, context: DistAutogradContext, skip: str | None) -> None:

@@ -4,7 +4,8 @@ A message that carries tensors requiring grad inside a context records a ``SendR
 on the sender (its ``next_functions`` are the tensors' gradient edges) and makes the
 receiver's copies outputs of a ``RecvRpcBackward``. When the receiver's backward reaches the
 ``RecvRpcBackward``, it sends the gradients back over RPC; the sender runs a local backward
-pass from its ``SendRpcBackward`` (see :mod:`.dist_engine`) and answers when it is done.
+pass from its ``SendRpcBackward`` (see :mod:`.dist_engine`) and answers when it is done (or
+they travel in the answer of the pass when the sender awaits it).
 """
 
 from __future__ import annotations
@@ -62,10 +63,8 @@ class RecvRpcBackward(Node):
         return tensors
 
     async def apply(self, grads: Grads) -> Sequence[Tensor | None]:  # type: ignore[override]
-        from aioautograd.distributed.autograd.dist_engine import BACKWARD
+        from aioautograd.distributed.autograd.dist_engine import send_gradients
 
         if any(grad is not None for grad in grads):
-            await self.agent.call(
-                self.sender, BACKWARD, (self.context_id, self.message_id, list(grads))
-            )
+            await send_gradients(self, list(grads))
         return ()
