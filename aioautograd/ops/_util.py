@@ -107,8 +107,33 @@ def _operand(value: Any, like: Tensor) -> Any:
     if type(value) in _REAL_NUMBERS:
         data = like.data
         if like.device.xp is np and data.dtype.kind in "fc":
-            return np.asarray(value, data.dtype)
+            return _number_array(value, data.dtype)
     return device_operand(value, like.device)
+
+
+# Python number (by identity) -> (number, dtype, read-only 0-d array), a few entries.
+_NUMBER_ARRAYS: dict[int, tuple[Any, np.dtype[Any], np.ndarray[Any, Any]]] = {}
+_NUMBER_ARRAYS_MAX = 64
+
+
+def _number_array(value: float, dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+    """``np.asarray(value, dtype)``, shared between the ops that meet the same number object
+    (``h = h * c`` in a loop): one array instead of one per op. The operand is kept for the
+    backward, which a worker thread runs: a fresh array per op was then freed there, into
+    the allocator arena of the thread that made it, whose next large allocation had to
+    consolidate thousands of small freed chunks (0.6 ms on the event loop's thread, at the
+    end of a 10,000-node chain). The array is read-only: no op writes into an operand.
+    Keyed by identity (the entry keeps the number alive, so its id is not reused): the
+    same object is the same value, -0.0 and NaN included."""
+    entry = _NUMBER_ARRAYS.get(id(value))
+    if entry is not None and entry[0] is value and entry[1] is dtype:
+        return entry[2]
+    array = np.asarray(value, dtype)
+    array.flags.writeable = False
+    if len(_NUMBER_ARRAYS) >= _NUMBER_ARRAYS_MAX:
+        _NUMBER_ARRAYS.clear()
+    _NUMBER_ARRAYS[id(value)] = (value, dtype, array)
+    return array
 
 
 def as_tensor_like(value: Any, like: Tensor) -> Tensor:
