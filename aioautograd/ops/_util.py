@@ -111,28 +111,34 @@ def _operand(value: Any, like: Tensor) -> Any:
     return device_operand(value, like.device)
 
 
-# Python number (by identity) -> (number, dtype, read-only 0-d array), a few entries.
-_NUMBER_ARRAYS: dict[int, tuple[Any, np.dtype[Any], np.ndarray[Any, Any]]] = {}
-_NUMBER_ARRAYS_MAX = 64
+# dtype -> {Python number: read-only 0-d array of that dtype}
+_NUMBER_ARRAYS: dict[np.dtype[Any], dict[float, np.ndarray[Any, Any]]] = {}
+_NUMBER_ARRAYS_MAX = 1024  # numbers per dtype; the table starts over when full
 
 
 def _number_array(value: float, dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
-    """``np.asarray(value, dtype)``, shared between the ops that meet the same number object
-    (``h = h * c`` in a loop): one array instead of one per op. The operand is kept for the
-    backward, which a worker thread runs: a fresh array per op was then freed there, into
-    the allocator arena of the thread that made it, whose next large allocation had to
-    consolidate thousands of small freed chunks (0.6 ms on the event loop's thread, at the
-    end of a 10,000-node chain). The array is read-only: no op writes into an operand.
-    Keyed by identity (the entry keeps the number alive, so its id is not reused): the
-    same object is the same value, -0.0 and NaN included."""
-    entry = _NUMBER_ARRAYS.get(id(value))
-    if entry is not None and entry[0] is value and entry[1] is dtype:
-        return entry[2]
+    """``np.asarray(value, dtype)``, one array shared by the ops that meet an equal number
+    (``h = h * c`` in a loop, ``x / math.sqrt(d)`` in every forward): no allocation per op.
+    The operand is kept for the backward, which a worker thread runs: a fresh array per op
+    was freed there, into the allocator arena of the thread that made it, and that thread's
+    next large allocation consolidated the thousands of small chunks (0.6 ms on the event
+    loop's thread at the end of a 10,000-node chain). Equal numbers give equal arrays
+    (``asarray`` depends on the value only), except signed zeros and NaN, which are never
+    shared. The arrays are read-only: no op writes into an operand."""
+    arrays = _NUMBER_ARRAYS.get(dtype)
+    if arrays is None:
+        arrays = _NUMBER_ARRAYS[dtype] = {}
+    else:
+        array = arrays.get(value)
+        if array is not None:
+            return array
     array = np.asarray(value, dtype)
-    array.flags.writeable = False
-    if len(_NUMBER_ARRAYS) >= _NUMBER_ARRAYS_MAX:
-        _NUMBER_ARRAYS.clear()
-    _NUMBER_ARRAYS[id(value)] = (value, dtype, array)
+    if value == 0 or value != value:  # -0.0 == 0.0, and NaN is never found again
+        return array
+    array.setflags(write=False)
+    if len(arrays) >= _NUMBER_ARRAYS_MAX:
+        arrays.clear()
+    arrays[value] = array
     return array
 
 

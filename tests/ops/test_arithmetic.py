@@ -271,9 +271,9 @@ def test_python_scalars_keep_float32(name: str) -> None:
 async def test_one_number_object_in_many_ops_and_dtypes_gives_torchs_values_and_gradients(
     torch: Any,
 ) -> None:
-    # The ops share one 0-d array per number object and dtype (ops/_util._number_array):
-    # the same object meets float32 then float64 tensors, inside a loop, and signed zeros
-    # and NaN (equal or unequal to other numbers, never the same object) keep their values.
+    # The ops share one 0-d array per number and dtype (ops/_util._number_array): the same
+    # number meets float32 then float64 tensors, inside a loop, and signed zeros and NaN
+    # (never shared) keep their values.
     c, minus_zero, nan = 1.0001, -0.0, float("nan")
     for dtype in ("float32", "float64"):
         data = np.array([1.5, -2.0, 0.25], dtype=dtype)
@@ -292,19 +292,20 @@ async def test_one_number_object_in_many_ops_and_dtypes_gives_torchs_values_and_
         assert np.isnan(to_numpy(x + nan)).all()
 
 
-def test_a_number_operand_is_one_shared_read_only_array_per_object_and_dtype() -> None:
+def test_a_number_operand_is_one_shared_read_only_array_per_value_and_dtype() -> None:
     from aioautograd.ops._util import _number_array
 
-    c = 3.0
     f32, f64 = np.dtype(np.float32), np.dtype(np.float64)
-    shared = _number_array(c, f32)
-    assert _number_array(c, f32) is shared
-    assert _number_array(c, f64) is not shared
-    assert _number_array(c, f64).dtype == f64
-    assert _number_array(-0.0, f64) is not _number_array(0.0, f64)
-    assert np.signbit(_number_array(-0.0, f64))
+    shared = _number_array(3.0, f32)
+    assert _number_array(float("3"), f32) is shared  # an equal number, another object
+    assert _number_array(3, f32) is shared  # asarray gives the same array for the int
+    assert _number_array(3.0, f64) is not shared
+    assert _number_array(3.0, f64).dtype == f64
+    assert np.signbit(_number_array(-0.0, f64))  # signed zeros are never shared
+    assert not np.signbit(_number_array(0.0, f64))
+    assert np.isnan(_number_array(float("nan"), f32))
     with pytest.raises(ValueError, match="read-only"):
-        shared[...] = 4.0  # shared by every op that met ``c``: nothing may write into it
+        shared[...] = 4.0  # shared by every op that met 3.0: nothing may write into it
     assert shared == 3.0
 
 
