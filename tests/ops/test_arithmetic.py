@@ -268,7 +268,7 @@ def test_python_scalars_keep_float32(name: str) -> None:
     assert out.dtype == np.float32
 
 
-async def test_one_number_object_in_many_ops_and_dtypes_gives_torchs_values_and_gradients(
+async def test_one_number_in_many_ops_and_dtypes_gives_torchs_values_and_gradients(
     torch: Any,
 ) -> None:
     # The ops share one 0-d array per number and dtype (ops/_util._number_array): the same
