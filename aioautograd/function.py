@@ -123,7 +123,10 @@ class BackwardCFunction(Node, FunctionCtx):
                     f"{len(saved)} is of type {type(tensor).__name__}"
                 )
             else:
-                is_output = tensor is outputs[0] or any(tensor is out for out in outputs[1:])
+                # (no generator for a single output: this runs for every saved tensor)
+                is_output = tensor is outputs[0] or (
+                    len(outputs) > 1 and any(tensor is out for out in outputs[1:])
+                )
                 if hooks:
                     saved.append(HookedSavedTensor(tensor, is_output, *hooks[-1]))
                 else:

@@ -323,7 +323,7 @@ def _make_ready(
             grad = outputs[i]
             if count == 1:
                 del dependencies[next_node]
-                buffer = not_ready.pop(next_node, None)
+                buffer = not_ready.pop(next_node, None) if not_ready else None
                 if buffer is None and producer is None and next_node._stream is None:
                     # The chain's case: a fresh CPU buffer, nothing to accumulate.
                     if type(next_node) is AccumulateGrad:

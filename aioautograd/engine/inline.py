@@ -44,24 +44,34 @@ def qualifies(task: NodeTask, max_elements: int) -> bool:
         or node._post_hooks
     ):
         return False
-    tensor_hooks = node._tensor_pre_hooks
-    if tensor_hooks and any(tensor_hooks.values()):
-        return False
-    if node.is_async:
-        # Its apply runs on the loop anyway: started from here, it skips the hand-over to an
-        # executor and back (two thread wake-ups); the graph task completes elsewhere.
-        return all(grad is None or grad.device.type == "cpu" for grad in task.inputs)
+    leaf = type(node) is AccumulateGrad
+    if type(node) is AccumulateGrad:
+        # The leaf's hooks, read from it (the node's property builds a dict per call).
+        variable = node.variable
+        if variable._backward_hooks or variable._post_accumulate_grad_hooks:
+            return False
+    else:
+        tensor_hooks = node._tensor_pre_hooks
+        if tensor_hooks and any(tensor_hooks.values()):
+            return False
+        if node.is_async:
+            # Its apply runs on the loop anyway: started from here, it skips the hand-over to
+            # an executor and back (two thread wake-ups); the graph task completes elsewhere.
+            return all(grad is None or grad.device.type == "cpu" for grad in task.inputs)
     size = 0
     for grad in task.inputs:
         if grad is not None:
             if grad.device.type != "cpu":
                 return False
             size += grad.data.size
-    if type(node) is AccumulateGrad:
-        return size <= max_elements and not node.variable._post_accumulate_grad_hooks
+    if leaf:
+        return size <= max_elements
     for next_node, input_nr in node._next_edges:
         if next_node is not None:
-            size += math.prod(next_node._input_metadata[input_nr][0])
+            if type(next_node) is AccumulateGrad:  # its metadata is the leaf's
+                size += next_node.variable.data.size
+            else:
+                size += math.prod(next_node._input_metadata[input_nr][0])
     return size <= max_elements
 
 

@@ -158,6 +158,29 @@ async def test_user_code_runs_on_the_executors() -> None:
     assert_close(x.grad, 2 * 1.5 * x.data * 1.5)
 
 
+@pytest.mark.parametrize("kind", ["tensor hook", "post-accumulate hook"])
+async def test_a_leafs_user_hooks_run_on_the_executors(kind: str) -> None:
+    # The leaf's own node (AccumulateGrad) qualifies by the leaf's hooks, read from the leaf.
+    get_default_engine().inline_budget_s = 1.0
+    seen: list[str] = []
+    x = ag.randn(4, dtype="float64", requires_grad=True)
+    if kind == "tensor hook":
+        x.register_hook(lambda g: seen.append(threading.current_thread().name))
+    else:
+        x.register_post_accumulate_grad_hook(lambda t: seen.append(threading.current_thread().name))
+    w = ag.randn(4, dtype="float64", requires_grad=True)
+    with profile() as prof:
+        await (x * w).sum().backward()
+    assert len(seen) == 1
+    assert _is_executor(seen[0]), seen
+    by_name = {event.name: event.thread for event in prof.events}
+    # The nodes before the leaf's ran inline; the hooked leaf's node, and what came after
+    # it, on the executors.
+    assert by_name["SumBackward0"] == threading.current_thread().name, by_name
+    assert_close(x.grad, w.data)
+    assert_close(w.grad, x.data)
+
+
 async def test_inline_backward_leaves_the_callers_context_alone() -> None:
     x = ag.randn(3, dtype="float64", requires_grad=True)
     (g,) = await ag.grad((x**3).sum(), [x], create_graph=True)

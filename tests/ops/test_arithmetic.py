@@ -268,6 +268,47 @@ def test_python_scalars_keep_float32(name: str) -> None:
     assert out.dtype == np.float32
 
 
+async def test_one_number_in_many_ops_and_dtypes_gives_torchs_values_and_gradients(
+    torch: Any,
+) -> None:
+    # The ops share one 0-d array per number and dtype (ops/_util._number_array): the same
+    # number meets float32 then float64 tensors, inside a loop, and signed zeros and NaN
+    # (never shared) keep their values.
+    c, minus_zero, nan = 1.0001, -0.0, float("nan")
+    for dtype in ("float32", "float64"):
+        data = np.array([1.5, -2.0, 0.25], dtype=dtype)
+        x, t = ag.tensor(data, requires_grad=True), torch.tensor(data, requires_grad=True)
+        h, g = x, t
+        for _ in range(5):
+            h, g = h * c / c * c, g * c / c * c
+        np.testing.assert_array_equal(to_numpy(h), g.detach().numpy())
+        assert h.dtype == dtype
+        await h.sum().backward()
+        g.sum().backward()
+        np.testing.assert_array_equal(to_numpy(x.grad), t.grad.numpy())
+        signed = x * minus_zero, x * 0.0
+        np.testing.assert_array_equal(np.signbit(to_numpy(signed[0])), data > 0)
+        np.testing.assert_array_equal(np.signbit(to_numpy(signed[1])), data < 0)
+        assert np.isnan(to_numpy(x + nan)).all()
+
+
+def test_a_number_operand_is_one_shared_read_only_array_per_value_and_dtype() -> None:
+    from aioautograd.ops._util import _number_array
+
+    f32, f64 = np.dtype(np.float32), np.dtype(np.float64)
+    shared = _number_array(3.0, f32)
+    assert _number_array(float("3"), f32) is shared  # an equal number, another object
+    assert _number_array(3, f32) is shared  # asarray gives the same array for the int
+    assert _number_array(3.0, f64) is not shared
+    assert _number_array(3.0, f64).dtype == f64
+    assert np.signbit(_number_array(-0.0, f64))  # signed zeros are never shared
+    assert not np.signbit(_number_array(0.0, f64))
+    assert np.isnan(_number_array(float("nan"), f32))
+    with pytest.raises(ValueError, match="read-only"):
+        shared[...] = 4.0  # shared by every op that met 3.0: nothing may write into it
+    assert shared == 3.0
+
+
 async def test_numpy_array_on_the_left_defers_to_the_tensor(device: str) -> None:
     x = _leaf(np.array([1.0, 2.0]), device)
     out = np.array([3.0, 4.0]) * x
