@@ -296,6 +296,25 @@ def _exclusively_owned(grad: Tensor) -> bool:
     )
 
 
+def owned_gradient(grad: Tensor, refs: int) -> bool:
+    """True when the caller's frames hold the only ``refs`` references to ``grad`` and
+    nothing else references it or its array, so that a backward formula may write its result
+    into the gradient's memory (what hand-written code does with ``grad *= mask``).
+
+    ``refs`` counts the references as CPython 3.11 does, this function's own left out;
+    ``tests/engine/test_gradient_stealing.py`` pins them on the running version, both ways.
+    """
+    data = grad.data
+    return (
+        grad.grad_fn is None
+        and grad._base is None
+        and data.base is None
+        and _writeable(data)
+        and sys.getrefcount(grad) <= refs + 2  # (this function's parameter, getrefcount's)
+        and sys.getrefcount(data) <= _OWNED_ARRAY_REFS
+    )
+
+
 def _writeable(array: Any) -> bool:
     # CuPy's flags have no ``writeable``: its arrays always are.
     return bool(getattr(array.flags, "writeable", True))

@@ -605,14 +605,18 @@ class _SplitProduct:
         self.out = out
         by_rows = rows >= cols
         size = rows if by_rows else cols
-        blocks = -(-size // CHUNK_ALIGN)
+        # Whole blocks; the last one takes the remainder: a chunk of a few rows or columns
+        # goes through other kernels (a 129-column product cut at 64 and 128 rounded its last
+        # column differently from the whole product).
+        blocks = max(1, size // CHUNK_ALIGN)
         macs_per_block = CHUNK_ALIGN * out.size // size * a.shape[-1]
         chunks = max(1, min(chunks, blocks, macs_per_block * blocks // MIN_CHUNK_MACS))
-        self._bounds = [min(size, CHUNK_ALIGN * (blocks * i // chunks)) for i in range(chunks + 1)]
+        stops = [blocks * i // chunks for i in range(1, chunks)]
+        self._bounds = [0] + [CHUNK_ALIGN * stop for stop in stops] + [size]
         self._a, self._b, self._by_rows = a, b, by_rows
         self._lock = threading.Lock()
         self._next = 0
-        self._left = chunks  # chunks not finished yet
+        self._left = len(self._bounds) - 1  # chunks not finished yet
         self._finished = threading.Event()
         self._error: BaseException | None = None
         self._between = between  # called between two chunks computed by one thread

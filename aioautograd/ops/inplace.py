@@ -129,7 +129,7 @@ class ReluInplace(Op):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         if not _grad_enabled.get():  # the plain backward: on the arrays, as ``Relu``'s
-            return _threshold_backward(grad, ctx.saved_arrays[0])
+            return _threshold_backward(grad, ctx.saved_arrays[0], reuse=True)
         (result,) = ctx.saved_tensors
         return ThresholdBackward.apply(grad, result)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from aioautograd._typing import Array
+from aioautograd.autograd.node import owned_gradient
 from aioautograd.devices.device import Device
 from aioautograd.function import FunctionCtx
 from aioautograd.grad_mode import _grad_enabled_get
@@ -197,18 +198,32 @@ class Relu(Op):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         if not _grad_enabled_get():  # nothing to record: ThresholdBackward's forward, inline
-            return _threshold_backward(grad, ctx.saved_arrays[0])
+            return _threshold_backward(grad, ctx.saved_arrays[0], reuse=True)
         return ThresholdBackward.apply(grad, ctx.saved_tensors[0])
 
 
-def _threshold_backward(grad: Tensor, out: Array) -> Tensor:
+# The references a ReLU node's incoming gradient has in a plain backward when nothing else
+# holds it (CPython 3.11): the engine's list of the node's inputs, the loop variable of
+# ``BackwardCFunction.apply``, and the parameters of the op's ``backward`` and of
+# ``_threshold_backward``. A hook, a ``grad()`` capture or another node holding it adds one.
+_RELU_GRAD_REFS = 4
+
+
+def _threshold_backward(grad: Tensor, out: Array, reuse: bool = False) -> Tensor:
     """ReLU's derivative, written once: ``grad`` where the output is > 0, else 0 (at 0 too,
-    as PyTorch). Both the plain backward and ``ThresholdBackward`` (create_graph) run it."""
+    as PyTorch). Both the plain backward and ``ThresholdBackward`` (create_graph) run it.
+
+    With ``reuse`` (a node's plain backward), the result goes into the incoming gradient's
+    memory when nothing else references it: on 256x1024 float32, ~50 µs less per node than
+    writing a fresh array (``mlp`` step, one core).
+    """
     fused = grad.device.backend.fused
     if fused is not None:
         return wrap(fused.threshold_backward(grad.data, out), grad.device)
     xp = grad.xp
-    return wrap(keep_where(xp, xp.logical_not(out <= 0), grad.data), grad.device)
+    in_place = reuse and owned_gradient(grad, _RELU_GRAD_REFS)
+    result = keep_where(xp, xp.logical_not(out <= 0), grad.data, in_place)
+    return grad if result is grad.data else wrap(result, grad.device)
 
 
 class ThresholdBackward(Op):

@@ -44,6 +44,8 @@ def one_blas_thread() -> Iterator[None]:
         (2000, 33, 17),
         (8192, 1024, 2),
         (4096, 16, 4096),
+        (96, 700, 1000),  # 15 column blocks, the last one 104 wide
+        (100, 3000, 129),  # 2 column blocks, the last one 65 wide (not 64 and 1)
     ],
 )
 def test_split_products_are_bitwise_equal_to_whole_ones(
