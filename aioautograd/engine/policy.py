@@ -71,6 +71,13 @@ class EnginePolicy:
             backward takes the same hold at once while workers compute (its optimizer step
             and next forward pass follow on the loop: see ``CpuBudget.hold_for_turn``),
             lapsing after this long if no product comes. 0: only each product is urgent.
+        loop_hold_iterations: the loop's hold lasts this many loop iterations after the
+            callback that computed (unless ``loop_hold_s`` lapses first): a request read
+            while a forward pass ran is handled in the next two (its reader callback, then
+            the task it wakes), and released earlier, the backward pass just started took
+            both cores and the loop's thread waited for one to answer (aiohttp app, natural
+            code: see benchmarks/README.md, session 24). 0: the hold ends as that callback
+            returns.
         worker_nice: CPU workers run this much below the process's priority (Linux). 0 by
             default: at +10 the workers lost most of their CPU to any other busy process
             (the aiohttp app under wrk load trained at 5 steps/s instead of 21), while the
@@ -112,6 +119,7 @@ class EnginePolicy:
     blas_min_flops: float = 524_288.0
     product_slice_flops: float = 1.0e8
     loop_hold_s: float = 0.001
+    loop_hold_iterations: int = 2
     worker_nice: int = 0
     inline_budget_s: float = 0.0005
     inline_max_nodes: int = 256
