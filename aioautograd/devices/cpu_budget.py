@@ -23,8 +23,8 @@ between steps runs as it always did.
 Who counts: engine workers while they run nodes (``enter``/``leave``, called by the
 executor per run of nodes), helper threads while they run a part of a product, and any other
 thread (a user's) for the duration of a large product it runs. An event loop's thread that
-runs a large product holds every core until its callback returns to the loop (see
-``CpuBudget.matmul``).
+runs a large product holds every core until its callback has returned to the loop and the
+loop has run the I/O and tasks that became ready meanwhile (see ``CpuBudget.matmul``).
 """
 
 from __future__ import annotations
@@ -274,8 +274,8 @@ class CpuBudget:
         """The calling event loop's thread starts a coroutine's turn (it resumed from an
         awaited CPU backward pass: natural code runs its optimizer step and next forward pass
         now): while engine workers compute, hold every core as the turn's first large
-        product would, until the current callback returns or ``loop_hold_s`` passes without
-        a product.
+        product would, until the current callback returns (and ``hold_iterations`` more
+        loop iterations) or ``loop_hold_s`` passes without a product.
 
         Why at the turn's start: a worker gives up its core at its next node or product
         slice (about 1 ms of BLAS). Asked only by the forward pass's first product, the
@@ -368,7 +368,9 @@ class CpuBudget:
         product slice. A large one holds them until the loop's current callback returns
         (a forward pass in a coroutine is several products with short gaps between them:
         without the hold the workers came back for each gap and the next product waited
-        for them to leave again), or ``loop_hold_s`` after the thread's last product.
+        for them to leave again) and the loop has run ``hold_iterations`` more iterations
+        (the requests that arrived meanwhile: see ``_release_hold``), or ``loop_hold_s``
+        after the thread's last product.
         """
         if a.dtype.kind not in "fc" or b.dtype.kind not in "fc" or a.ndim == 0 or b.ndim == 0:
             return np.matmul(a, b)

@@ -62,15 +62,16 @@ class EnginePolicy:
             call finish its time slice before the event loop's thread got the core
             (``concurrent``, offload step: heartbeat p99 2.6 ms whatever ``gil_hold_s``).
         loop_hold_s: an event loop's thread that runs a large product (a forward pass in a
-            coroutine) holds every core until its current callback returns to the loop, or
-            for at most this long after its last product: the engine's workers give up
-            theirs at their next node or product slice, and stay off the cores between the
-            forward pass's products instead of coming back for each gap between them
-            (``concurrent``, natural code: forward passes on the loop took 4-8 ms instead of
-            ~2.5 while workers kept coming back). A coroutine resumed from an awaited CPU
-            backward takes the same hold at once while workers compute (its optimizer step
-            and next forward pass follow on the loop: see ``CpuBudget.hold_for_turn``),
-            lapsing after this long if no product comes. 0: only each product is urgent.
+            coroutine) holds every core until its current callback returns to the loop (and
+            ``loop_hold_iterations`` more loop iterations), or for at most this long after
+            its last product: the engine's workers give up theirs at their next node or
+            product slice, and stay off the cores between the forward pass's products
+            instead of coming back for each gap between them (``concurrent``, natural code:
+            forward passes on the loop took 4-8 ms instead of ~2.5 while workers kept coming
+            back). A coroutine resumed from an awaited CPU backward takes the same hold at
+            once while workers compute (its optimizer step and next forward pass follow on
+            the loop: see ``CpuBudget.hold_for_turn``), lapsing after this long if no product
+            comes. 0: only each product is urgent.
         loop_hold_iterations: the loop's hold lasts this many loop iterations after the
             callback that computed (unless ``loop_hold_s`` lapses first): a request read
             while a forward pass ran is handled in the next two (its reader callback, then
