@@ -8,7 +8,9 @@ the step's backward pass has just started on the engine's workers. This script m
 second part alone, in one process, with the app's model (MLP 784-1024-1024-10, batch 256, SGD
 with momentum, natural code): each step writes one request into a socket pair as its forward
 pass ends, and a handler task (asyncio streams, as a server reads a request) notes when it
-runs. Figure: the time from the end of the forward pass to the handler, per step.
+runs. Figures: the time from the end of the forward pass to the handler, per step, and how
+much of it the loop's thread spent waiting for a core (its run-queue delay, from
+``/proc/self/task/<tid>/schedstat``; Linux only).
 
 Settings are the CPU budget's attributes (as in `budget_ab.py`), alternated block by block in
 one process so that both see the same background load:
@@ -25,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import socket
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,21 +45,43 @@ from benchmarks.async_app import SEED, AioTrainer
 from benchmarks.budget_ab import _parse_setting, wait_until_idle
 
 
-async def _steps(trainer: AioTrainer, steps: int) -> tuple[list[float], list[float]]:
+class _RunQueueDelay:
+    """The calling thread's time spent runnable but not running so far (seconds; 0 where
+    the kernel does not tell)."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open(
+                f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY
+            )
+        except OSError:
+            self._fd = None
+
+    def __call__(self) -> float:
+        if self._fd is None:
+            return 0.0
+        return int(os.pread(self._fd, 100, 0).split()[1]) / 1e9
+
+
+async def _steps(
+    trainer: AioTrainer, steps: int, delay: _RunQueueDelay
+) -> tuple[list[float], list[float], list[float]]:
     """``steps`` natural training steps, each with a request arriving as its forward pass
-    ends; returns the requests' waits and the steps' times (seconds)."""
+    ends; returns the requests' waits, the loop thread's run-queue delay during each wait,
+    and the steps' times (seconds)."""
     ours, theirs = socket.socketpair()
     reader, writer = await asyncio.open_connection(sock=ours)
-    handled: list[float] = []
+    handled: list[tuple[float, float]] = []
     arrived = asyncio.Event()
 
     async def handler() -> None:
         while await reader.read(1):
-            handled.append(time.perf_counter())
+            handled.append((time.perf_counter(), delay()))
             arrived.set()
 
     serving = asyncio.ensure_future(handler())
     waits: list[float] = []
+    delays: list[float] = []
     step_times: list[float] = []
     try:
         for _ in range(steps):
@@ -64,7 +90,7 @@ async def _steps(trainer: AioTrainer, steps: int) -> tuple[list[float], list[flo
             start = time.perf_counter()
             logits = trainer.model(trainer.inputs)  # the forward pass, on the loop
             theirs.sendall(b"r")  # a request that arrived meanwhile
-            forward_end = time.perf_counter()
+            forward_end, delay_at_end = time.perf_counter(), delay()
             loss = F.cross_entropy(logits, trainer.targets)
             trainer.optimizer.zero_grad()
             await loss.backward()
@@ -72,12 +98,13 @@ async def _steps(trainer: AioTrainer, steps: int) -> tuple[list[float], list[flo
             loss.item()
             step_times.append(time.perf_counter() - start)
             await arrived.wait()  # (handled during the backward pass, as a rule)
-            waits.append(handled[-1] - forward_end)
+            waits.append(handled[-1][0] - forward_end)
+            delays.append(handled[-1][1] - delay_at_end)
     finally:
         theirs.close()
         await serving
         writer.close()
-    return waits, step_times
+    return waits, delays, step_times
 
 
 def main() -> None:
@@ -90,8 +117,10 @@ def main() -> None:
     budget = cpu_budget()
     trainer = AioTrainer(SEED, offload=False)
     loop = asyncio.new_event_loop()
-    loop.run_until_complete(_steps(trainer, 5))  # warm-up
+    delay = _RunQueueDelay()
+    loop.run_until_complete(_steps(trainer, 5, delay))  # warm-up
     waits: dict[str, list[float]] = {name: [] for name in settings}
+    delays: dict[str, list[float]] = {name: [] for name in settings}
     step_times: dict[str, list[float]] = {name: [] for name in settings}
     busy = 0
     for _ in range(args.blocks):
@@ -99,16 +128,20 @@ def main() -> None:
             for key, value in values.items():
                 setattr(budget, key, type(getattr(budget, key))(value))
             busy += not wait_until_idle()
-            block_waits, block_steps = loop.run_until_complete(_steps(trainer, args.steps))
+            block = loop.run_until_complete(_steps(trainer, args.steps, delay))
+            block_waits, block_delays, block_steps = block
             waits[name].extend(block_waits)
+            delays[name].extend(block_delays)
             step_times[name].extend(block_steps)
     loop.close()
     for name in settings:
         ms = 1e3 * np.asarray(waits[name])
+        waited = 1e3 * np.asarray(delays[name])
         print(
             f"{name:10s} request after the forward pass: median {np.median(ms):5.2f} ms "
             f"p90 {np.percentile(ms, 90):5.2f} p99 {np.percentile(ms, 99):5.2f} "
-            f"max {ms.max():5.2f} ms ({len(ms)} steps); "
+            f"max {ms.max():5.2f} ms ({len(ms)} steps); loop thread waiting for a core "
+            f"meanwhile: mean {waited.mean():5.2f} ms, p90 {np.percentile(waited, 90):5.2f}; "
             f"step median {1e3 * statistics.median(step_times[name]):5.1f} ms"
         )
     print(f"blocks started on a busy machine: {busy}")
