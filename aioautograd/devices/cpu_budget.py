@@ -23,8 +23,8 @@ between steps runs as it always did.
 Who counts: engine workers while they run nodes (``enter``/``leave``, called by the
 executor per run of nodes), helper threads while they run a part of a product, and any other
 thread (a user's) for the duration of a large product it runs. An event loop's thread that
-runs a large product holds every core until its callback returns to the loop (see
-``CpuBudget.matmul``).
+runs a large product holds every core until its callback has returned to the loop and the
+loop has run the I/O and tasks that became ready meanwhile (see ``CpuBudget.matmul``).
 """
 
 from __future__ import annotations
@@ -64,12 +64,13 @@ class _LoopHold:
     """The cores an event loop's thread holds while its current callback computes (see
     ``CpuBudget.matmul``)."""
 
-    __slots__ = ("budget", "units", "until")
+    __slots__ = ("budget", "hops", "units", "until")
 
     def __init__(self, budget: CpuBudget, units: int) -> None:
         self.budget = budget
         self.units = units  # counted against the budget; 0 once released
         self.until = math.inf  # released at this time (perf_counter) unless renewed
+        self.hops = 0  # loop iterations left before the release (``CpuBudget._release_hold``)
 
 
 _thread = _ThreadState()
@@ -167,6 +168,7 @@ class CpuBudget:
         self.paired_products = 0  # pairs of products run side by side (observability)
         self.slice_flops = 1.0e8
         self.loop_hold_s = 0.0  # see EnginePolicy.loop_hold_s
+        self.hold_iterations = HOLD_ITERATIONS  # see EnginePolicy.loop_hold_iterations
         self._holds: list[_LoopHold] = []
         self._no_split_until = 0.0
         self._starved = 0  # split products in a row whose helpers were late
@@ -248,8 +250,9 @@ class CpuBudget:
 
     def _take_hold(self, loop: Any) -> _LoopHold:
         """The calling event loop thread's hold on every core, taken if it has none (lock
-        held). Released when the loop's current callback returns (``call_soon``), or
-        ``loop_hold_s`` after the thread's last product, whichever comes first."""
+        held). Released ``hold_iterations`` loop iterations after the callback that computes
+        (``_release_hold``; 0: as that callback returns), or ``loop_hold_s`` after the
+        thread's last product, whichever comes first."""
         hold = _thread.hold
         if hold is not None and hold.budget is not self:
             hold = None  # another budget's (tests make their own)
@@ -259,16 +262,20 @@ class CpuBudget:
             hold = _thread.hold = _LoopHold(self, self.cores)
             self._holds.append(hold)
             self._count(hold.units)
-            loop.call_soon(self._release_hold, hold)
+            if self.hold_iterations > 0:
+                loop.call_at(loop.time(), self._release_hold, hold, loop)
+            else:
+                loop.call_soon(self._release_hold, hold, loop)
         hold.until = math.inf  # not while it computes
+        hold.hops = self.hold_iterations
         return hold
 
     def hold_for_turn(self, loop: Any) -> None:
         """The calling event loop's thread starts a coroutine's turn (it resumed from an
         awaited CPU backward pass: natural code runs its optimizer step and next forward pass
         now): while engine workers compute, hold every core as the turn's first large
-        product would, until the current callback returns or ``loop_hold_s`` passes without
-        a product.
+        product would, until the current callback returns (and ``hold_iterations`` more
+        loop iterations) or ``loop_hold_s`` passes without a product.
 
         Why at the turn's start: a worker gives up its core at its next node or product
         slice (about 1 ms of BLAS). Asked only by the forward pass's first product, the
@@ -292,7 +299,20 @@ class CpuBudget:
             hold = self._take_hold(loop)
             hold.until = time.perf_counter() + self.loop_hold_s
 
-    def _release_hold(self, hold: _LoopHold) -> None:
+    def _release_hold(self, hold: _LoopHold, loop: Any) -> None:
+        """(loop, a timer due at once) Release the hold once the loop has run the callbacks
+        that became ready while it computed: the I/O callbacks of the next iteration (a
+        request's bytes read while a forward pass ran) and the tasks they wake, one
+        iteration later (the request's handler). A timer due now runs after the iteration's
+        I/O callbacks and after the callbacks the previous iteration scheduled; released at
+        once instead (``call_soon``), the hold ended before that I/O was read, the engine's
+        workers took both cores for the backward pass just started, and the loop's thread,
+        having just computed the forward pass, waited for a core to answer (see
+        benchmarks/README.md, session 24)."""
+        if hold.units and hold.hops > 1:
+            hold.hops -= 1
+            loop.call_at(loop.time(), self._release_hold, hold, loop)
+            return
         with self._lock:
             self._drop_hold(hold)
 
@@ -348,7 +368,9 @@ class CpuBudget:
         product slice. A large one holds them until the loop's current callback returns
         (a forward pass in a coroutine is several products with short gaps between them:
         without the hold the workers came back for each gap and the next product waited
-        for them to leave again), or ``loop_hold_s`` after the thread's last product.
+        for them to leave again) and the loop has run ``hold_iterations`` more iterations
+        (the requests that arrived meanwhile: see ``_release_hold``), or ``loop_hold_s``
+        after the thread's last product.
         """
         if a.dtype.kind not in "fc" or b.dtype.kind not in "fc" or a.ndim == 0 or b.ndim == 0:
             return np.matmul(a, b)
@@ -584,6 +606,9 @@ PAIR_CHUNKS = 2
 STARVED_WAIT_S = 0.0005
 STARVED_IN_A_ROW = 3
 SPLIT_BACKOFF_S = 0.2
+# An event loop's hold on the cores lasts this many loop iterations after the callback that
+# computed (``CpuBudget._release_hold``; the default of ``EnginePolicy.loop_hold_iterations``).
+HOLD_ITERATIONS = 2
 # A coroutine's turn holds the cores (``CpuBudget.hold_for_turn``) only on a loop thread that
 # ran a product large enough to split this recently: a training step's forward pass.
 TURN_HOLD_MEMORY_S = 1.0
@@ -723,6 +748,7 @@ def configure(policy: Any, only_if_unset: bool = False) -> CpuBudget:
         budget.intra_op = policy.intra_op
         budget.slice_flops = policy.product_slice_flops
         budget.loop_hold_s = policy.loop_hold_s
+        budget.hold_iterations = policy.loop_hold_iterations
         if policy.manage_blas_threads and budget._blas is None:
             budget._blas = _BlasThreads()
             budget._user_blas_threads = budget._blas.get()

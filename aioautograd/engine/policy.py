@@ -62,15 +62,23 @@ class EnginePolicy:
             call finish its time slice before the event loop's thread got the core
             (``concurrent``, offload step: heartbeat p99 2.6 ms whatever ``gil_hold_s``).
         loop_hold_s: an event loop's thread that runs a large product (a forward pass in a
-            coroutine) holds every core until its current callback returns to the loop, or
-            for at most this long after its last product: the engine's workers give up
-            theirs at their next node or product slice, and stay off the cores between the
-            forward pass's products instead of coming back for each gap between them
-            (``concurrent``, natural code: forward passes on the loop took 4-8 ms instead of
-            ~2.5 while workers kept coming back). A coroutine resumed from an awaited CPU
-            backward takes the same hold at once while workers compute (its optimizer step
-            and next forward pass follow on the loop: see ``CpuBudget.hold_for_turn``),
-            lapsing after this long if no product comes. 0: only each product is urgent.
+            coroutine) holds every core until its current callback returns to the loop (and
+            ``loop_hold_iterations`` more loop iterations), or for at most this long after
+            its last product: the engine's workers give up theirs at their next node or
+            product slice, and stay off the cores between the forward pass's products
+            instead of coming back for each gap between them (``concurrent``, natural code:
+            forward passes on the loop took 4-8 ms instead of ~2.5 while workers kept coming
+            back). A coroutine resumed from an awaited CPU backward takes the same hold at
+            once while workers compute (its optimizer step and next forward pass follow on
+            the loop: see ``CpuBudget.hold_for_turn``), lapsing after this long if no product
+            comes. 0: only each product is urgent.
+        loop_hold_iterations: the loop's hold lasts this many loop iterations after the
+            callback that computed (unless ``loop_hold_s`` lapses first): a request read
+            while a forward pass ran is handled in the next two (its reader callback, then
+            the task it wakes), and released earlier, the backward pass just started took
+            both cores and the loop's thread waited for one to answer (aiohttp app, natural
+            code: see benchmarks/README.md, session 24). 0: the hold ends as that callback
+            returns.
         worker_nice: CPU workers run this much below the process's priority (Linux). 0 by
             default: at +10 the workers lost most of their CPU to any other busy process
             (the aiohttp app under wrk load trained at 5 steps/s instead of 21), while the
@@ -112,6 +120,7 @@ class EnginePolicy:
     blas_min_flops: float = 524_288.0
     product_slice_flops: float = 1.0e8
     loop_hold_s: float = 0.001
+    loop_hold_iterations: int = 2
     worker_nice: int = 0
     inline_budget_s: float = 0.0005
     inline_max_nodes: int = 256

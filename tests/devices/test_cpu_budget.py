@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sys
 import threading
 import time
@@ -14,7 +15,8 @@ import pytest
 
 import aioautograd as ag
 from aioautograd import nn, optim
-from aioautograd.devices.cpu_budget import CpuBudget, _BlasThreads, cpu_budget
+from aioautograd.devices.cpu_budget import HOLD_ITERATIONS, CpuBudget, _BlasThreads, cpu_budget
+from aioautograd.engine import Engine, EnginePolicy
 from tests.helpers import train_step
 
 blas = _BlasThreads()
@@ -261,6 +263,18 @@ def _start_worker(budget: CpuBudget, events: list[str]) -> threading.Thread:
     return thread
 
 
+async def _loop_iterations(count: int) -> None:
+    """Let the loop run ``count`` iterations (each ``sleep(0)`` resumes one iteration later)."""
+    for _ in range(count):
+        await asyncio.sleep(0)
+
+
+async def _hold_released() -> None:
+    """Let the loop run past an event loop's hold: ``HOLD_ITERATIONS`` iterations after the
+    callback that computed, and the one that runs the release."""
+    await _loop_iterations(HOLD_ITERATIONS + 1)
+
+
 @pytest.mark.timeout(30)
 async def test_an_event_loop_holds_the_cores_until_its_callback_returns() -> None:
     budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
@@ -276,10 +290,64 @@ async def test_an_event_loop_holds_the_cores_until_its_callback_returns() -> Non
     assert events == []
     assert np.array_equal(budget.matmul(a, a.T), out)  # the same hold goes on
     assert budget.active == 2
-    await asyncio.sleep(0)  # the callback returns to the loop: the hold ends
+    await asyncio.sleep(0)  # the callback returns to the loop: the next iteration's I/O...
+    assert budget.active == 2  # ...and the tasks it wakes still go first
+    await _hold_released()
     thread.join(5)
     assert events == ["entered"]
     assert budget.active == 0
+
+
+@pytest.mark.timeout(30)
+async def test_the_hold_covers_a_request_that_arrived_while_the_loop_computed() -> None:
+    # A server's request read while a forward pass ran on the loop: its reader callback runs
+    # in the next iteration and the handler it wakes in the one after; the workers (the
+    # backward pass just started) stay off the cores until then, or the loop's thread waits
+    # for a core to answer.
+    budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    budget.loop_hold_s = 10.0
+    ours, theirs = socket.socketpair()
+    reader, writer = await asyncio.open_connection(sock=ours)
+    answered: list[tuple[bytes, int]] = []
+
+    async def handler() -> None:
+        request = await reader.readexactly(7)
+        answered.append((request, budget.active))
+
+    task = asyncio.ensure_future(handler())
+    try:
+        await asyncio.sleep(0)  # the handler waits for its request
+        a = np.random.default_rng(9).standard_normal((256, 512))
+        budget.matmul(a, a.T)  # the forward pass's product: the loop holds the cores
+        theirs.sendall(b"GET /ok")  # the request arrives while the loop computes
+        await asyncio.wait_for(task, 5)
+        assert answered == [(b"GET /ok", 2)]  # answered under the hold
+        await _hold_released()
+        assert budget.active == 0
+    finally:
+        task.cancel()
+        writer.close()
+        theirs.close()
+
+
+@pytest.mark.timeout(30)
+async def test_the_policy_sets_how_many_iterations_the_hold_lasts() -> None:
+    engine = Engine(EnginePolicy(loop_hold_iterations=0, loop_hold_s=10.0))
+    previous = ag.set_default_engine(engine)
+    try:
+        budget = cpu_budget()
+        assert budget.hold_iterations == 0
+        a = np.random.default_rng(10).standard_normal((1024, 1024))
+        budget.matmul(a, a.T)  # large enough to take the hold under the default split size
+        assert budget.active == budget.cores
+        await asyncio.sleep(0)  # 0: the hold ends as the callback returns
+        assert budget.active == 0
+    finally:
+        assert previous is not None
+        ag.set_default_engine(previous)
+        engine.close()
+    assert cpu_budget().hold_iterations == HOLD_ITERATIONS
+    assert cpu_budget().loop_hold_s == EnginePolicy().loop_hold_s
 
 
 @pytest.mark.timeout(30)
@@ -294,7 +362,7 @@ async def test_a_loop_that_blocks_after_its_products_loses_the_hold() -> None:
     thread.join(5)  # the loop's thread blocks here, without any product: the hold lapses
     assert events == ["entered"]
     assert budget.active == 0
-    await asyncio.sleep(0)  # the release scheduled on the loop finds nothing to release
+    await _hold_released()  # the release scheduled on the loop finds nothing to release
     assert budget.active == 0
 
 
@@ -316,7 +384,7 @@ async def test_each_budget_counts_its_own_hold() -> None:
         budget.loop_hold_s = 10.0
         budget.matmul(a, a.T)
     assert (first.active, second.active) == (2, 3)
-    await asyncio.sleep(0)
+    await _hold_released()
     assert (first.active, second.active) == (0, 0)
 
 
@@ -430,7 +498,7 @@ async def test_a_turn_holds_the_cores_only_while_workers_compute() -> None:
     a = rng.standard_normal((256, 128)).astype(np.float32)
     b = rng.standard_normal((128, 256)).astype(np.float32)
     assert np.array_equal(budget.matmul(a, b), np.matmul(a, b))  # a forward's product: held
-    await asyncio.sleep(0)  # its callback returned: the hold is gone
+    await _hold_released()  # its callback returned: the hold is gone
     assert budget.active == 0
     budget.hold_for_turn(loop)  # nothing computes: nobody to ask, nothing taken
     assert budget.active == 0
@@ -442,7 +510,7 @@ async def test_a_turn_holds_the_cores_only_while_workers_compute() -> None:
         thread = _start_worker(budget, events)
         thread.join(0.05)  # still in this callback: a second worker waits for a core
         assert events == []
-        await asyncio.sleep(0)  # the callback returns: the hold ends
+        await _hold_released()  # the callback returns: the hold ends
         thread.join(5)
         assert events == ["entered"]
         assert budget.active == 1  # the worker's own count, no hold left
