@@ -283,7 +283,7 @@ class CpuBudget:
         cores and a GIL shared four ways: in ``concurrent`` (natural code) a turn took 5.4
         ms at the median and up to 11-20 ms, against 4.0 and 8 with the request made here.
         """
-        if self.loop_hold_s <= 0 or not self.active:  # nobody to ask (an unlocked hint)
+        if self.loop_hold_s <= 0:
             return
         state = _thread
         if (
@@ -296,6 +296,12 @@ class CpuBudget:
             # without).
             return
         with self._lock:
+            # Nobody to ask: no thread counts and none waits for a core. A worker parked by
+            # this loop's last hold and woken as it lapsed waits here until it counts itself
+            # again: read without the lock, ``active`` was 0 at that moment and the worker
+            # then computed through the whole turn.
+            if not self.active and not self._waiting:
+                return
             hold = self._take_hold(loop)
             hold.until = time.perf_counter() + self.loop_hold_s
 

@@ -520,6 +520,44 @@ async def test_a_turn_holds_the_cores_only_while_workers_compute() -> None:
 
 
 @pytest.mark.timeout(30)
+async def test_a_turn_holds_the_cores_from_a_worker_woken_but_not_yet_counted() -> None:
+    # A worker parked by the loop's last hold is woken as that hold ends, but counts itself
+    # again only once it runs: a turn starting in between must still hold the cores, or the
+    # worker computes through it.
+    budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    budget.loop_hold_s = 10.0
+    loop = asyncio.get_running_loop()
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((256, 128)).astype(np.float32)
+    budget.matmul(a, a.T)  # a forward's product: the loop holds both cores
+    events: list[str] = []
+    thread = _start_worker(budget, events)
+    deadline = time.monotonic() + 5
+    while budget._waiting == 0 and time.monotonic() < deadline:
+        thread.join(0.001)  # the worker parks, waiting for a core
+    assert budget._waiting == 1
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)  # this thread keeps the GIL: the woken worker cannot count
+    try:
+        # The hold ends and wakes the worker (as its release does, but without a loop
+        # iteration: polling for I/O would let the worker in)...
+        with budget._lock:
+            budget._drop_hold(budget._holds[0])
+        assert budget.active == 0  # ...which has not counted itself yet
+        assert events == []
+        budget.hold_for_turn(loop)  # the turn starts now
+    finally:
+        sys.setswitchinterval(previous)
+    assert budget.active == 2  # held: the worker waits through the turn
+    thread.join(0.05)
+    assert events == []
+    await _hold_released()
+    thread.join(5)
+    assert events == ["entered"]
+    assert budget.active == 0
+
+
+@pytest.mark.timeout(30)
 async def test_a_loop_whose_products_never_took_the_cores_does_not_hold_them_for_its_turn() -> None:
     # A Python-bound model (products below the split size) runs its turn beside the workers:
     # holding the cores would only park them while the loop runs Python.
