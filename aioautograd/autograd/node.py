@@ -265,7 +265,9 @@ def accumulate_grad(variable: Tensor, grad: Tensor) -> None:
         variable._grad = grad._copy_grad() if old is None else old + grad
         return
     if old is None:
-        variable._grad = grad if _exclusively_owned(grad) else _detached_copy(grad)
+        # Kept without a copy when nothing else references it (PyTorch's AccumulateGrad
+        # "steals" it the same way); references: ``AccumulateGrad.apply``'s local, our parameter.
+        variable._grad = grad if owned_gradient(grad, 2) else _detached_copy(grad)
     elif old.grad_fn is None and _writeable(old.data):
         old.xp.add(old.data, grad.data, out=old.data)
         old._bump_version()
@@ -273,27 +275,9 @@ def accumulate_grad(variable: Tensor, grad: Tensor) -> None:
         variable._grad = _detached_copy(old + grad)
 
 
-# The references an exclusively owned gradient has (as CPython 3.11 counts them; a version
-# that counts differently fails tests/engine/test_gradient_stealing.py, both ways). To the
-# tensor: ``AccumulateGrad.apply``'s local, the parameters of ``accumulate_grad`` and of
-# ``_exclusively_owned``, and ``sys.getrefcount``'s argument; to the array: the tensor's
-# ``data`` slot, the local ``data`` and ``getrefcount``'s argument.
-_OWNED_TENSOR_REFS = 4
+# The references an owned gradient's array has: the tensor's ``data`` slot, the local
+# ``data`` and ``getrefcount``'s argument.
 _OWNED_ARRAY_REFS = 3
-
-
-def _exclusively_owned(grad: Tensor) -> bool:
-    """True when nobody but the caller references ``grad`` or its array, so that it can be
-    kept as ``.grad`` without a copy (PyTorch's AccumulateGrad "steals" it the same way)."""
-    data = grad.data
-    return (
-        grad.grad_fn is None
-        and grad._base is None
-        and data.base is None
-        and _writeable(data)
-        and sys.getrefcount(grad) <= _OWNED_TENSOR_REFS
-        and sys.getrefcount(data) <= _OWNED_ARRAY_REFS
-    )
 
 
 def owned_gradient(grad: Tensor, refs: int) -> bool:
