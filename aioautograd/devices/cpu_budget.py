@@ -390,7 +390,7 @@ class CpuBudget:
             and b.ndim == 2
             and time.perf_counter() >= self._no_split_until
         ):
-            split_size = max(a.shape[-2], b.shape[1])
+            split_size = max(a.shape[-2], b.shape[1]) if _cuts_exactly(a, b) else 0
         splittable = split_size >= 2 * CHUNK_ALIGN and flops >= 4 * MIN_CHUNK_MACS
         counted = _thread.counted
         # A counted thread's pause (``yield_point``) waits until the helpers have their
@@ -583,7 +583,20 @@ def _pairable(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any], min_flops: float
         and b.ndim == 2
         and a.shape[-1] == b.shape[0]
         and 2.0 * a.size * b.shape[1] >= min_flops
+        and _cuts_exactly(a, b)
     )
+
+
+def _cuts_exactly(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
+    """Whether ``a @ b`` cut in blocks (``_SplitProduct``) is bitwise the whole product.
+
+    Not for every float64 product: OpenBLAS's dgemm rounds the output's last ``N % 8``
+    columns differently depending on where their rows fall in the call (row blocks and column
+    blocks alike). Measured with OpenBLAS 0.3.31 (NumPy's wheel) on a SkylakeX core: 83 of
+    the 204 float64 products tried, cut as ``_SplitProduct`` cuts them, differed from the whole
+    ones, every one with ``N % 8 != 0``, in those columns only; none of the float32,
+    complex64 and complex128 ones did."""
+    return b.shape[-1] % F64_COLUMNS_ALIGN == 0 or np.result_type(a, b) != np.float64
 
 
 # Chunk boundaries are multiples of this many rows (columns): BLAS kernels work on blocks of
@@ -593,6 +606,9 @@ CHUNK_ALIGN = 64
 # ...and hold at least this many multiply-adds: OpenBLAS computes small products (about
 # 100x100x100 and below) with other kernels, whose rounding differs.
 MIN_CHUNK_MACS = 1 << 21
+# A float64 product is cut only if its output's columns are a multiple of this many
+# (``_cuts_exactly``).
+F64_COLUMNS_ALIGN = 8
 # A split product is cut in this many chunks per thread, claimed one at a time: a thread that
 # another process (or a higher priority) slows down delays the product by one chunk at most,
 # instead of holding the others back for its whole share, as a static split (and OpenBLAS's
@@ -639,7 +655,7 @@ class _SplitProduct:
         # Whole blocks; the last one takes the remainder: a chunk of a few rows or columns
         # goes through other kernels (a 129-column product cut at 64 and 128 rounded its last
         # column differently from the whole product).
-        blocks = max(1, size // CHUNK_ALIGN)
+        blocks = max(1, size // CHUNK_ALIGN) if _cuts_exactly(a, b) else 1
         macs_per_block = CHUNK_ALIGN * out.size // size * a.shape[-1]
         chunks = max(1, min(chunks, blocks, macs_per_block * blocks // MIN_CHUNK_MACS))
         stops = [blocks * i // chunks for i in range(1, chunks)]
