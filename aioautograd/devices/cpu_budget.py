@@ -588,15 +588,43 @@ def _pairable(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any], min_flops: float
 
 
 def _cuts_exactly(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
-    """Whether ``a @ b`` cut in blocks (``_SplitProduct``) is bitwise the whole product.
+    """Whether ``a @ b`` cut in blocks (``_SplitProduct``) is bitwise the whole product, as
+    spec §5 requires (gradients do not depend on the load).
 
-    Not for every float64 product: OpenBLAS's dgemm rounds the output's last ``N % 8``
-    columns differently depending on where their rows fall in the call (row blocks and column
+    Not with every BLAS kernel (``_blocks_are_exact``, probed once per dtype), and not for
+    every float64 product: OpenBLAS's dgemm rounds the output's last ``N % 8`` columns
+    differently depending on where their rows fall in the call (row blocks and column
     blocks alike). Measured with OpenBLAS 0.3.31 (NumPy's wheel) on a SkylakeX core: 83 of
     the 204 float64 products tried, cut as ``_SplitProduct`` cuts them, differed from the whole
     ones, every one with ``N % 8 != 0``, in those columns only; none of the float32,
     complex64 and complex128 ones did."""
-    return b.shape[-1] % F64_COLUMNS_ALIGN == 0 or np.result_type(a, b) != np.float64
+    dtype = np.result_type(a, b)
+    exact = _EXACT_BLOCKS.get(dtype)
+    if exact is None:
+        exact = _EXACT_BLOCKS[dtype] = _blocks_are_exact(dtype)
+    return exact and (b.shape[-1] % F64_COLUMNS_ALIGN == 0 or dtype != np.float64)
+
+
+# dtype -> whether this process's BLAS computes products cut in blocks bitwise as whole ones
+_EXACT_BLOCKS: dict[np.dtype[Any], bool] = {}
+
+
+def _blocks_are_exact(dtype: np.dtype[Any]) -> bool:
+    """Whether a small product cut in row blocks and in column blocks is bitwise the whole
+    product with this BLAS and CPU. OpenBLAS's SkylakeX kernels pass for every dtype; its
+    Haswell and Zen kernels (``OPENBLAS_CORETYPE=Haswell``: AMD CPUs, Intel without
+    AVX-512) round float32 blocks differently from the whole product, in every shape tried:
+    products of that dtype are then never cut. The probe (128x16 @ 16x128, under OpenBLAS's
+    threshold for threads, so one thread whatever the setting) costs a few microseconds once."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((2 * CHUNK_ALIGN, 16)).astype(dtype)
+    b = rng.standard_normal((16, 2 * CHUNK_ALIGN)).astype(dtype)
+    whole = np.matmul(a, b)
+    rows = np.concatenate([np.matmul(a[:CHUNK_ALIGN], b), np.matmul(a[CHUNK_ALIGN:], b)])
+    columns = np.concatenate(
+        [np.matmul(a, b[:, :CHUNK_ALIGN]), np.matmul(a, b[:, CHUNK_ALIGN:])], axis=1
+    )
+    return bool(np.array_equal(rows, whole) and np.array_equal(columns, whole))
 
 
 # Chunk boundaries are multiples of this many rows (columns): BLAS kernels work on blocks of

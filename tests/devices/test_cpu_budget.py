@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -15,13 +16,27 @@ import pytest
 
 import aioautograd as ag
 from aioautograd import nn, optim
-from aioautograd.devices.cpu_budget import HOLD_ITERATIONS, CpuBudget, _BlasThreads, cpu_budget
+from aioautograd.devices.cpu_budget import (
+    HOLD_ITERATIONS,
+    CpuBudget,
+    _BlasThreads,
+    _blocks_are_exact,
+    _cuts_exactly,
+    cpu_budget,
+)
 from aioautograd.engine import Engine, EnginePolicy
 from tests.helpers import train_step
 
 blas = _BlasThreads()
 needs_blas_control = pytest.mark.skipif(
     not blas.available, reason="threadpoolctl cannot see NumPy's BLAS here"
+)
+
+
+# Tests of cut products in float32: this BLAS must cut them bitwise (see _blocks_are_exact).
+float32_blocks = pytest.mark.skipif(
+    not _blocks_are_exact(np.dtype(np.float32)),
+    reason="this BLAS rounds float32 products cut in blocks apart from whole ones: never cut",
 )
 
 
@@ -68,8 +83,35 @@ def test_split_products_are_bitwise_equal_to_whole_ones(
     for left, right in operands:
         assert np.array_equal(budget.matmul(left, right), np.matmul(left, right))
     large = 2 * m * k * n >= 4 * (1 << 21) and max(m, n) >= 128
-    exact = n % 8 == 0 or dtype is not np.float64  # OpenBLAS's dgemm: see _cuts_exactly
-    assert (budget.split_products > 0) == (large and exact)
+    assert (budget.split_products > 0) == (large and _cuts_exactly(a, b))
+    if dtype is np.float64 and n % 8:
+        assert not _cuts_exactly(a, b)  # OpenBLAS's dgemm: see _cuts_exactly
+
+
+def test_products_are_whole_with_a_blas_whose_blocks_round_differently() -> None:
+    # OpenBLAS's Haswell kernels (AMD CPUs, Intel without AVX-512) round a float32 product
+    # cut in blocks differently from the whole one: on them products are never cut.
+    code = """
+import numpy as np
+from threadpoolctl import threadpool_info
+from aioautograd.devices.cpu_budget import CpuBudget
+print([i.get("architecture") for i in threadpool_info() if i["user_api"] == "blas"])
+budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+rng = np.random.default_rng(0)
+a = rng.standard_normal((256, 784)).astype(np.float32)
+b = rng.standard_normal((784, 512)).astype(np.float32)
+out = budget.matmul(a, b)
+print(budget.split_products, bool(np.array_equal(out, np.matmul(a, b))))
+"""
+    env = {**os.environ, "OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    architecture, result = done.stdout.strip().splitlines()
+    if "Haswell" not in architecture:
+        pytest.skip(f"this BLAS cannot run OpenBLAS's Haswell kernels here ({architecture})")
+    assert result == "0 True"
 
 
 def test_products_that_cannot_split_still_compute() -> None:
@@ -403,7 +445,7 @@ def _pair_operands(dtype: type) -> list[tuple[np.ndarray, ...]]:
 
 
 @pytest.mark.usefixtures("one_blas_thread")
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype", [pytest.param(np.float32, marks=float32_blocks), np.float64])
 def test_paired_products_are_bitwise_the_whole_ones(dtype: type) -> None:
     budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
     assert budget.enter()  # a worker's thread: the only kind that pairs
@@ -423,6 +465,7 @@ def test_paired_products_are_bitwise_the_whole_ones(dtype: type) -> None:
     assert budget.active == 0
 
 
+@float32_blocks
 @pytest.mark.usefixtures("one_blas_thread")
 def test_products_are_not_paired_without_a_free_core_or_off_a_worker() -> None:
     a1, b1, a2, b2 = _pair_operands(np.float32)[0]
@@ -461,6 +504,7 @@ def test_unpairable_products_compute_or_raise_as_matmul_does() -> None:
     assert budget.active == 0
 
 
+@float32_blocks
 @pytest.mark.usefixtures("one_blas_thread")
 def test_a_worker_pauses_once_its_helper_has_the_chunks() -> None:
     """A counted thread's pause before a split or paired product comes after the helper got
@@ -522,6 +566,7 @@ async def test_a_turn_holds_the_cores_only_while_workers_compute() -> None:
     assert budget.active == 0
 
 
+@float32_blocks
 @pytest.mark.timeout(30)
 async def test_a_turn_holds_the_cores_from_a_worker_woken_but_not_yet_counted() -> None:
     # A worker parked by the loop's last hold is woken as that hold ends, but counts itself
