@@ -615,7 +615,7 @@ def _blocks_are_exact(dtype: np.dtype[Any]) -> bool:
     Haswell and Zen kernels (``OPENBLAS_CORETYPE=Haswell``: AMD CPUs, Intel without
     AVX-512) round float32 blocks differently from the whole product, in every shape tried:
     products of that dtype are then never cut. The probe (128x16 @ 16x128, under OpenBLAS's
-    threshold for threads, so one thread whatever the setting) costs a few microseconds once."""
+    threshold for threads, so one thread whatever the setting) costs about 0.1 ms, once."""
     rng = np.random.default_rng(0)
     a = rng.standard_normal((2 * CHUNK_ALIGN, 16)).astype(dtype)
     b = rng.standard_normal((16, 2 * CHUNK_ALIGN)).astype(dtype)
