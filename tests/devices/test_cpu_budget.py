@@ -320,6 +320,13 @@ async def _hold_released() -> None:
     await _loop_iterations(HOLD_ITERATIONS + 1)
 
 
+async def _enters_once_the_hold_ends(thread: threading.Thread, events: list[str]) -> None:
+    """The loop lets the hold end; the worker waiting for a core then enters."""
+    await _hold_released()
+    thread.join(5)
+    assert events == ["entered"]
+
+
 @pytest.mark.timeout(30)
 async def test_an_event_loop_holds_the_cores_until_its_callback_returns() -> None:
     budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
@@ -337,9 +344,7 @@ async def test_an_event_loop_holds_the_cores_until_its_callback_returns() -> Non
     assert budget.active == 2
     await asyncio.sleep(0)  # the callback returns to the loop: the next iteration's I/O...
     assert budget.active == 2  # ...and the tasks it wakes still go first
-    await _hold_released()
-    thread.join(5)
-    assert events == ["entered"]
+    await _enters_once_the_hold_ends(thread, events)
     assert budget.active == 0
 
 
@@ -557,9 +562,7 @@ async def test_a_turn_holds_the_cores_only_while_workers_compute() -> None:
         thread = _start_worker(budget, events)
         thread.join(0.05)  # still in this callback: a second worker waits for a core
         assert events == []
-        await _hold_released()  # the callback returns: the hold ends
-        thread.join(5)
-        assert events == ["entered"]
+        await _enters_once_the_hold_ends(thread, events)  # the callback returns
         assert budget.active == 1  # the worker's own count, no hold left
     finally:
         budget.leave()
@@ -599,9 +602,7 @@ async def test_a_turn_holds_the_cores_from_a_worker_woken_but_not_yet_counted() 
     assert budget.active == 2  # held: the worker waits through the turn
     thread.join(0.05)
     assert events == []
-    await _hold_released()
-    thread.join(5)
-    assert events == ["entered"]
+    await _enters_once_the_hold_ends(thread, events)
     assert budget.active == 0
 
 

@@ -21,16 +21,18 @@ def _complete_from_a_worker(loop: asyncio.AbstractEventLoop, future: asyncio.Fut
     thread.join(5)
 
 
+async def _heartbeat(order: list[str], delay: float = 0.001) -> None:
+    """A timer's sleeper (a heartbeat, say): records "tick" when it wakes."""
+    await asyncio.sleep(delay)
+    order.append("tick")
+
+
 @pytest.mark.timeout(30)
 async def test_a_sleeper_due_during_a_turn_wakes_before_the_next_turn() -> None:
     loop = asyncio.get_running_loop()
     turns = LoopTurns(loop)
     order: list[str] = []
     completed = loop.create_future()
-
-    async def sleeper() -> None:  # a heartbeat, say
-        await asyncio.sleep(0.001)
-        order.append("tick")
 
     async def second() -> None:  # its backward pass completes during the first one's work
         await completed
@@ -43,7 +45,7 @@ async def test_a_sleeper_due_during_a_turn_wakes_before_the_next_turn() -> None:
         time.sleep(0.02)  # noqa: ASYNC251  (its work: a forward pass on the loop's thread)
         order.append("first")
 
-    tasks = [asyncio.ensure_future(sleeper()), asyncio.ensure_future(second())]
+    tasks = [asyncio.ensure_future(_heartbeat(order)), asyncio.ensure_future(second())]
     await asyncio.sleep(0)  # both wait now
     await asyncio.gather(first(), *tasks)
     assert order == ["first", "tick", "second"]
@@ -88,16 +90,12 @@ async def test_a_resumed_coroutine_goes_after_a_timer_that_fell_due_meanwhile() 
     order: list[str] = []
     completed = loop.create_future()
 
-    async def sleeper() -> None:  # a heartbeat, say
-        await asyncio.sleep(0.001)
-        order.append("tick")
-
     async def resumed() -> None:  # no other coroutine resumed: it takes the turn at once
         await completed
         await turns.take_turn()
         order.append("turn")
 
-    tasks = [asyncio.ensure_future(sleeper()), asyncio.ensure_future(resumed())]
+    tasks = [asyncio.ensure_future(_heartbeat(order)), asyncio.ensure_future(resumed())]
     await asyncio.sleep(0)  # both wait now
     # The backward completes while the loop is busy and the sleep falls due: asyncio runs
     # the worker's callback before the due timer's.
@@ -141,10 +139,6 @@ async def test_a_resumed_coroutine_goes_after_a_timer_due_by_its_wake_up() -> No
     order: list[str] = []
     completed = loop.create_future()
 
-    async def sleeper() -> None:
-        await asyncio.sleep(0.002)
-        order.append("tick")
-
     async def resumed() -> None:
         await completed
         await turns.take_turn()
@@ -154,7 +148,7 @@ async def test_a_resumed_coroutine_goes_after_a_timer_due_by_its_wake_up() -> No
         completed.set_result(None)
         time.sleep(0.003)  # and the timer falls due before the coroutine wakes
 
-    tasks = [asyncio.ensure_future(sleeper()), asyncio.ensure_future(resumed())]
+    tasks = [asyncio.ensure_future(_heartbeat(order, 0.002)), asyncio.ensure_future(resumed())]
     await asyncio.sleep(0)
     loop.call_later(0.001, complete)
     await asyncio.gather(*tasks)

@@ -94,7 +94,5 @@ async def settle(awaitables: Sequence[Awaitable[Any]]) -> list[Any]:
         return await asyncio.gather(*awaitables, return_exceptions=True)
     try:
         return [await awaitables[0]]
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
+    except Exception as exc:  # (not a cancellation: that is no Exception, it propagates)
         return [exc]
