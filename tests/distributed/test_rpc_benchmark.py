@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks import rpc as bench
@@ -20,3 +22,25 @@ async def test_rpc_benchmark_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     }
     assert all(r.get("median_us", 1) > 0 and r.get("calls_per_s", 1) > 0 for r in results)
     assert "| small | grpc |" in bench.markdown_table(results)
+
+
+def test_round_trip_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    # benchmarks/rpc_roundtrip.py: every implementation, a few calls each, and the in-process
+    # mode (what callgrind counts); the figures are counted per call on both sides.
+    from benchmarks import rpc_roundtrip
+
+    argv = ["--impl", "bare,bare-tasks,ours", "--calls", "5", "--warmup", "2"]
+    assert rpc_roundtrip.main(argv) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    results = [json.loads(line) for line in lines]
+    assert {(r["impl"], r["payload"]) for r in results} == {
+        (impl, payload)
+        for impl in ("bare", "bare-tasks", "ours")
+        for payload in rpc_roundtrip.PAYLOADS
+    }
+    for r in results:
+        assert r["median_us"] > 0
+        assert r["client"]["loop_iterations"] > 0
+        assert r["server"]["loop_iterations"] > 0
+    assert next(r for r in results if r["payload"] == "step")["bytes"] >= 600 * 64 * 4
+    assert rpc_roundtrip.main(["--inprocess", "small", "--calls", "3"]) == 0

@@ -161,6 +161,12 @@ BASE = {"k": 0, "id": 1, "src": "a", "fn": "m:f"}
         ({**BASE, "t": [[0, "<i8", [1], "cpu", True]]}, [b"\0" * 8], "requires_grad"),
         ({**BASE, "t": [[0, "<f8", [-1], "cpu", False]]}, [b""], "shape"),
         ({**BASE, "t": [[0, "<f8", [1], "tpu:0", False]]}, [b"\0" * 8], "device"),
+        ({**BASE, "t": [[0, "<f8", [True], "cpu", False]]}, [b"\0" * 8], "shape"),
+        ({**BASE, "t": [[2, "<f8", [1], "cpu", False]]}, [b"\0" * 8], "scalar with a shape"),
+        ({**BASE, "t": [[7, "<f8", [1], "cpu", False]]}, [b"\0" * 8], "unknown array kind"),
+        ({**BASE, "t": [[0, "<f8", [1], "cpu", 1]]}, [b"\0" * 8], "requires_grad"),
+        ({**BASE, "t": [[0, "<f8", [1], 0, False]]}, [b"\0" * 8], "device"),
+        ({**BASE, "t": [[0, "<f8", [1], "cpu"]]}, [b"\0" * 8], "wrong length"),
         ({**BASE, "t": [[0, "<f8", [1], "cpu", False]]}, [], "1 arrays described, 0 sent"),
         ({**BASE, "p": msgpack.packb(msgpack.ExtType(1, b"\0\0\0\5"))}, [], "out of range"),
         ({**BASE, "p": msgpack.packb(msgpack.ExtType(99, b""))}, [], "unknown extension"),
@@ -186,6 +192,47 @@ def test_no_pickle_in_the_rpc_package() -> None:
         source = path.read_text()
         assert "import pickle" not in source, path
         assert "cloudpickle" not in source, path
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(6, dtype=">f4").reshape(2, 3),  # big-endian: converted
+        np.arange(12.0).reshape(3, 4)[:, ::2],  # not contiguous: a contiguous copy
+        np.arange(6.0).reshape(2, 3).T,
+        np.array([True, False]),
+        np.arange(-3, 3, dtype=np.int8),
+        np.array(2.5, dtype=np.float32),  # 0-d
+        np.zeros((0, 3), dtype=np.complex64),
+    ],
+)
+def test_arrays_of_every_layout_arrive_equal_and_native(array: np.ndarray) -> None:
+    tensor, plain = round_trip([ag.Tensor(array), array])
+    for back in (tensor.data, plain):
+        assert back.shape == array.shape
+        assert back.dtype == array.dtype.newbyteorder("=")
+        assert back.dtype.isnative
+        assert back.flags.c_contiguous
+        assert np.array_equal(back, array)
+
+
+def test_a_payload_bounded_by_its_size_needs_no_count() -> None:
+    # An entry takes a byte at least: a payload of at most MAX_ITEMS bytes decodes without
+    # counting its entries; one entry (and byte) more is counted and refused.
+    header_bytes = len(msgpack.packb([None] * wire.MAX_ITEMS)) - wire.MAX_ITEMS
+    fits = [None] * (wire.MAX_ITEMS - header_bytes)
+    payload = msgpack.packb(fits)
+    assert len(payload) == wire.MAX_ITEMS
+    assert _decode(_with_header({**BASE, "p": payload})) == fits
+    over = msgpack.packb([None] * (wire.MAX_ITEMS + 1))
+    with pytest.raises(rpc.MalformedMessageError, match="list, tuple and dict entries"):
+        _decode(_with_header({**BASE, "p": over}))
+
+
+def test_a_refused_device_stays_refused() -> None:
+    for _ in range(2):  # parsed devices are cached: refusals must not be
+        with pytest.raises(rpc.MalformedMessageError, match="bad device 'tpu:0'"):
+            _decode(_with_header({**BASE, "t": [[0, "<f8", [1], "tpu:0", False]]}, [b"\0" * 8]))
 
 
 def test_tensors_keep_their_device() -> None:

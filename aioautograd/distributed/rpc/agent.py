@@ -70,9 +70,12 @@ def call_timeout_names_call(fn: str, dst: WorkerInfo, seconds: float | None) -> 
     except TimeoutError as exc:
         if isinstance(exc, RpcTimeoutError):
             raise
-        raise RpcTimeoutError(
-            f"call of {fn!r} on worker {dst.name!r} timed out after {seconds} s"
-        ) from None
+        raise call_timeout_error(fn, dst, seconds) from None
+
+
+def call_timeout_error(fn: str, dst: WorkerInfo, seconds: float | None) -> RpcTimeoutError:
+    """The ``RpcTimeoutError`` that names the call whose deadline passed."""
+    return RpcTimeoutError(f"call of {fn!r} on worker {dst.name!r} timed out after {seconds} s")
 
 
 @dataclass(slots=True)

@@ -103,6 +103,10 @@ _ALLOWED_DTYPES = frozenset(
 )
 
 _DTYPES = {name: np.dtype(name) for name in _ALLOWED_DTYPES}
+_DEVICES = {"cpu": CPU}  # device names received, parsed (devices are interned)
+# The accepted dtypes that need no conversion to travel (little-endian or byte-sized), by
+# dtype: the common case of encoding an array is one dictionary lookup.
+_WIRE_NAMES = {dtype: name for name, dtype in _DTYPES.items() if dtype.isnative}
 
 # Anything with the buffer protocol: bytes, bytearray, memoryview, a uint8 ndarray.
 Buffer: TypeAlias = Any
@@ -191,6 +195,9 @@ def _copy(buffer: Buffer) -> np.ndarray[Any, Any]:
 
 
 def _dtype_name(dtype: np.dtype[Any]) -> str:
+    name = _WIRE_NAMES.get(dtype)
+    if name is not None:
+        return name
     name = str(dtype.newbyteorder("<").str)
     if name not in _ALLOWED_DTYPES:
         raise TypeError(
@@ -202,6 +209,13 @@ def _dtype_name(dtype: np.dtype[Any]) -> str:
 
 def _is_cupy_array(obj: object) -> bool:
     return type(obj).__module__.startswith("cupy") and hasattr(obj, "__cuda_array_interface__")
+
+
+def _array_ext(index: int) -> msgpack.ExtType:
+    return msgpack.ExtType(EXT_ARRAY, _INDEX.pack(index))
+
+
+_ARRAY_EXTS = [_array_ext(index) for index in range(64)]  # immutable: shared by messages
 
 
 class _Encoder:
@@ -237,10 +251,14 @@ class _Encoder:
         if device.xp is not np:
             array = array.get()  # CuPy -> host: CUDA data travels through host memory
         dtype = _dtype_name(array.dtype)
-        host = np.asarray(array, dtype=np.dtype(dtype), order="C")  # keeps 0-d arrays 0-d
+        if type(array) is np.ndarray and array.flags.c_contiguous and array.dtype in _WIRE_NAMES:
+            host = array  # already what travels: no conversion
+        else:
+            host = np.asarray(array, dtype=np.dtype(dtype), order="C")  # keeps 0-d arrays 0-d
+        index = len(self.table)
         self.table.append([kind, dtype, list(host.shape), str(device), requires_grad])
         self.buffers.append(host.reshape(-1).view(np.uint8))
-        ext = msgpack.ExtType(EXT_ARRAY, _INDEX.pack(len(self.table) - 1))
+        ext = _ARRAY_EXTS[index] if index < len(_ARRAY_EXTS) else _array_ext(index)
         self._memo[id(obj)] = ext
         self._keep.append(obj)
         return ext
@@ -405,6 +423,23 @@ def decode_header(message: Message) -> Header:
 def _parse_entry(
     entry: Any, buffer: Buffer
 ) -> tuple[int, np.dtype[Any], tuple[int, ...], str, bool]:
+    # Exact type checks first (msgpack makes exactly these types); anything unusual goes
+    # through the checks below, which name what is wrong.
+    if type(entry) is list and len(entry) == 5:
+        kind, dtype_name, shape, device_name, requires_grad = entry
+        dtype = _DTYPES.get(dtype_name) if type(dtype_name) is str else None
+        if (
+            dtype is not None
+            and kind in (KIND_TENSOR, KIND_NDARRAY)
+            and type(kind) is int
+            and type(shape) is list
+            and len(shape) <= _MAX_NDIM
+            and all(type(n) is int and n >= 0 for n in shape)
+            and type(device_name) is str
+            and (requires_grad is False or (requires_grad is True and dtype.kind in "fc"))
+            and memoryview(buffer).nbytes == math.prod(shape) * dtype.itemsize
+        ):
+            return kind, dtype, tuple(shape), device_name, requires_grad
     entry = _expect(entry, (list,), "an array-table entry")
     if len(entry) != 5:
         raise MalformedMessageError("malformed message: array-table entry of wrong length")
@@ -434,12 +469,18 @@ def _parse_entry(
 
 
 def _device(name: str) -> Device:
+    known = _DEVICES.get(name)
+    if known is not None:
+        return known
     try:
-        return parse_device(name)
+        parsed = parse_device(name)
     except ValueError:
         raise MalformedMessageError(f"malformed message: bad device {name!r}") from None
     except RuntimeError as exc:  # e.g. cuda:1 on a process without CuPy or that GPU
         raise RpcError(f"cannot receive an array on {name}: {exc}") from None
+    if len(_DEVICES) < 64:
+        _DEVICES[name] = parsed
+    return parsed
 
 
 def _array(dtype: np.dtype[Any], shape: tuple[int, ...], buffer: Buffer, device: Device) -> Any:
@@ -503,6 +544,11 @@ def decode_payload(
             raise MalformedMessageError(_TOO_MANY_ITEMS)
         return container
 
+    # Every msgpack item takes a byte at least, nested extensions included (their bytes are
+    # part of the payload's): a payload of at most MAX_ITEMS bytes cannot declare more
+    # entries than that, and needs no count.
+    counter = count if len(header.payload) > MAX_ITEMS else None
+
     def nested(data: bytes) -> Any:
         # msgpack calls ext_hook from C: unbounded nesting would overflow the C stack.
         nonlocal depth
@@ -510,7 +556,7 @@ def decode_payload(
             raise MalformedMessageError(f"malformed message: nested deeper than {_MAX_DEPTH}")
         depth += 1
         try:
-            return _unpack(data, ext_hook, count)
+            return _unpack(data, ext_hook, counter)
         finally:
             depth -= 1
 
@@ -533,10 +579,12 @@ def decode_payload(
         fields = nested(data)
         return decoder(_expect(fields, (list,), f"extension {code}"))
 
-    return _unpack(header.payload, ext_hook, count)
+    return _unpack(header.payload, ext_hook, counter)
 
 
-def _unpack(data: bytes, ext_hook: Callable[[int, bytes], Any], count: Callable[[Any], Any]) -> Any:
+def _unpack(
+    data: bytes, ext_hook: Callable[[int, bytes], Any], count: Callable[[Any], Any] | None
+) -> Any:
     try:
         return msgpack.unpackb(
             data,

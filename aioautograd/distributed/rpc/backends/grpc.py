@@ -67,7 +67,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     ) from exc
 
 from aioautograd.distributed.rpc import wire
-from aioautograd.distributed.rpc.agent import RpcAgent, call_timeout_names_call
+from aioautograd.distributed.rpc.agent import RpcAgent, call_timeout_error
 from aioautograd.distributed.rpc.backends.grpc_stream import FRAME, IncomingStream, OutgoingStream
 from aioautograd.distributed.rpc.errors import (
     MalformedMessageError,
@@ -610,11 +610,14 @@ class GrpcAgent(RpcAgent):
             raise WorkerUnavailableError(f"worker {dst.name!r} is dead ({reason})")
         self._calls += 1
         try:
-            with call_timeout_names_call(fn, dst, seconds):
-                # The deadline is enforced by _send_request: a timer on the call's future
-                # (cheaper than a timeout scope around it), and a scope around the wait for
-                # room in the in-flight budget.
-                return await self._send_request(dst, message, seconds)
+            # The deadline is enforced by _send_request: a timer on the call's future
+            # (cheaper than a timeout scope around it), and a scope around the wait for
+            # room in the in-flight budget.
+            return await self._send_request(dst, message, seconds)
+        except TimeoutError as exc:
+            if isinstance(exc, RpcTimeoutError):
+                raise
+            raise call_timeout_error(fn, dst, seconds) from None
         finally:
             self._calls -= 1
             idle = self._calls_idle
