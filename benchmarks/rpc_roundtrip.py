@@ -55,6 +55,7 @@ COUNTERS = "benchmarks.rpc_roundtrip.counters"
 PAYLOADS = {"empty": None, "small": (4,), "step": (600, 64)}
 _METHOD = "/bench.Echo/Stream"
 _counts = {"iterations": 0, "tasks": 0}
+_selected = list(PAYLOADS)  # the payloads measured (--payloads)
 
 
 def _count_loop(loop: asyncio.AbstractEventLoop) -> None:
@@ -227,7 +228,7 @@ async def _bare_client(port: int, calls: int, warmup: int, tasks: bool) -> list[
             async def peer_counters() -> list[float]:
                 return list(json.loads(await client.request(b"?")))
 
-            for name in PAYLOADS:
+            for name in _selected:
                 array = _payload(name)
                 data = b"e" if array is None else b"e" + array.tobytes()
                 for _ in range(warmup):
@@ -243,7 +244,7 @@ async def _bare_client(port: int, calls: int, warmup: int, tasks: bool) -> list[
             await call.write(b"?")
             return list(json.loads(await call.read()))
 
-        for name in PAYLOADS:
+        for name in _selected:
             array = _payload(name)
             data = b"e" if array is None else b"e" + array.tobytes()
             for _ in range(warmup):
@@ -319,7 +320,7 @@ async def _ours_client(
         async def peer() -> list[float]:
             return list(await rpc.rpc_async("worker1", COUNTERS))
 
-        for name in PAYLOADS:
+        for name in _selected:
             array = _payload(name)
             args: tuple[Any, ...] = () if array is None else (ag.tensor(array),)
 
@@ -439,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
         "--impl", default="bare,ours", help="comma-separated: bare, bare-tasks, ours"
     )
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument(
+        "--payloads", default=",".join(PAYLOADS), help="comma-separated: empty, small, step"
+    )
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument(
         "--profile", choices=("bare-server", "ours-server", "ours-client"), default=None
@@ -459,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "ours-server":
         asyncio.run(_ours_server(args.profile_role))
         return 0
+    _selected[:] = [name for name in args.payloads.split(",") if name in PAYLOADS]
     if args.inprocess:
         asyncio.run(_inprocess(args.inprocess, args.calls))
         return 0
