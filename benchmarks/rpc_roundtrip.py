@@ -235,9 +235,12 @@ async def _bare_client(port: int, calls: int, warmup: int, tasks: bool) -> list[
                     await client.request(data)
                 one = functools.partial(client.request, data)
                 results.append(await _timed(name, impl, calls, one, None, peer_counters))
-            for task in client.tasks:
-                task.cancel()
+            # The writer waits on its own future: cancelling it is safe. A read cancelled
+            # under grpc.aio cancels the call, so the reader ends at the server's EOF.
+            writer, reader = client.tasks
+            writer.cancel()
             await call.done_writing()
+            await reader
             return results
 
         async def peer_counters() -> list[float]:
