@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 import random
 from pathlib import Path
@@ -270,3 +271,22 @@ def test_what_a_message_may_declare_is_bounded() -> None:
         _decode(_with_header({**BASE, "p": tuples}))
     # Just under the bounds still travels.
     assert round_trip([[0] * (wire.MAX_ITEMS - 10), {}]) == [[0] * (wire.MAX_ITEMS - 10), {}]
+
+
+def test_message_info_is_a_frozen_value() -> None:
+    # Interceptors may keep, compare and hash what they are given.
+    src, dst = rpc.WorkerInfo("a", 0), rpc.WorkerInfo("b", 1)
+    info = rpc.MessageInfo("request", src, dst, 3, "m:f")
+    assert info == rpc.MessageInfo("request", src, dst, 3, "m:f")
+    assert info != dataclasses.replace(info, call_id=4)
+    assert hash(info) == hash(rpc.MessageInfo("request", src, dst, 3, "m:f"))
+    assert (info.kind, info.src, info.dst, info.call_id, info.function) == (
+        "request",
+        src,
+        dst,
+        3,
+        "m:f",
+    )
+    assert "call_id=3" in repr(info)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.call_id = 5  # type: ignore[misc]
