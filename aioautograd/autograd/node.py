@@ -233,7 +233,7 @@ class AccumulateGrad(Node):
 
     @_input_metadata.setter
     def _input_metadata(self, value: list[InputMetadata]) -> None:
-        pass  # derived from the variable; Node.__init__ assigns a default
+        pass  # derived from the variable (nothing to store)
 
     @property
     def _tensor_pre_hooks(self) -> dict[int, HookDict] | None:
@@ -244,7 +244,7 @@ class AccumulateGrad(Node):
 
     @_tensor_pre_hooks.setter
     def _tensor_pre_hooks(self, value: dict[int, HookDict] | None) -> None:
-        pass  # derived from the variable; Node.__init__ assigns a default
+        pass  # derived from the variable (nothing to store)
 
     def apply(self, grads: Grads) -> Sequence[Tensor | None]:
         grad = grads[0]
