@@ -71,6 +71,12 @@ async def run_case(case: Case) -> float:
     return float(value)
 
 
+# Timed runs per case per interleaved round, after its untimed re-warming run. Timing a case
+# right after other implementations' code ran (one run per case per round) let the cache
+# state decide the comparison: our small-MLP step ran ~10% faster right after a variant of
+# itself, mygrad's ~25% slower than back to back (benchmarks/README, session 25).
+INTERLEAVE_TIMED = 3
+
 # Least warm-up time per implementation in blocked mode: long enough for the thread pools of
 # the implementation that ran before (OpenBLAS, torch's OpenMP) to stop spinning, which on two
 # cores would otherwise steal a core from the one being timed.
@@ -101,8 +107,10 @@ async def measure(
     By default each implementation runs as a block: its warm-up (``warmup`` runs, and at
     least ``MIN_WARMUP_S``), then its ``repeats`` timed runs. With ``interleave``, rounds run
     every case once each (rotating the order), so that bursts of background load fall on all
-    implementations alike; but then each one is timed while the thread pools of the previous
-    one still spin, which on a 2-core machine slowed BLAS-bound steps up to ~3x.
+    implementations alike; each case gets one untimed run before its timed runs of the round
+    (``INTERLEAVE_TIMED``), so that none is timed on caches the others left; but the thread
+    pools of the previous case may still spin, which on a 2-core machine slowed BLAS-bound
+    steps up to ~3x.
     """
     impls = list(cases)
     times: dict[str, list[float]] = {impl: [] for impl in impls}
@@ -146,16 +154,26 @@ async def _time_all(
     do not idle beside the next implementation)."""
     impls = list(cases)
     if interleave:
-        for round_index in range(warmup + repeats):
-            if round_index == warmup:  # the statistics a case keeps count from here on
+        # Each round gives every case a short block: one untimed run that brings its own
+        # code and data back into the caches (the other cases ran since), then up to
+        # INTERLEAVE_TIMED timed runs, as a training loop runs step after step.
+        warm_rounds = math.ceil(warmup / INTERLEAVE_TIMED)
+        rounds = warm_rounds + math.ceil(repeats / INTERLEAVE_TIMED)
+        for round_index in range(rounds):
+            if round_index == warm_rounds:  # the statistics a case keeps count from here on
                 for case in cases.values():
                     case.begin_timed()
             shift = round_index % len(impls)
             for impl in impls[shift:] + impls[:shift]:
-                elapsed, value = await _time_once(name, impl, cases[impl])
+                _, value = await _time_once(name, impl, cases[impl])
                 values.setdefault(impl, value)
-                if round_index >= warmup:
-                    times[impl].append(elapsed)
+                timed = times[impl]
+                for _ in range(INTERLEAVE_TIMED):
+                    if round_index >= warm_rounds and len(timed) == repeats:
+                        break
+                    elapsed, _ = await _time_once(name, impl, cases[impl])
+                    if round_index >= warm_rounds:
+                        timed.append(elapsed)
     else:
         for impl in impls:
             deadline = time.perf_counter() + MIN_WARMUP_S

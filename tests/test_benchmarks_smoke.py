@@ -20,7 +20,7 @@ from benchmarks.concurrency import Heartbeat
 from benchmarks.distributed import LOCAL, torch_rpc_unavailable
 from benchmarks.harness import markdown_table, run_case
 from benchmarks.model_parallel_workers import torch_backend_options
-from benchmarks.workloads import REGISTRY, SUBJECT, Impl, mlp_data
+from benchmarks.workloads import REGISTRY, SUBJECT, Case, Impl, mlp_data
 
 # The optional third-party baselines are exercised by `benchmarks/run.py` itself; variants
 # of these ("aioautograd-seq", "torch-threads", ...) are checked too.
@@ -112,6 +112,43 @@ async def test_measure_and_table(interleave: bool, monkeypatch: pytest.MonkeyPat
     assert result.repeats == 2
     assert result.as_json()["per_node_us"] >= 0
     assert "| chain |" in markdown_table({"chain": [result]})
+
+
+class _Logged(Case):
+    """A case that logs its runs and times itself: run ``k`` of a case lasts ``k`` seconds."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log, self.runs = name, log, 0
+
+    def run(self) -> float:
+        self.runs += 1
+        self.log.append(self.name)
+        self.timed_s = float(self.runs)
+        return 1.0
+
+
+@pytest.mark.timeout(30)
+async def test_interleaved_rounds_time_each_case_after_a_run_of_its_own() -> None:
+    # Each case's timed runs follow a run of the same case (its untimed re-warming run, or
+    # its previous timed run), never another implementation's.
+    log: list[str] = []
+    cases: dict[str, Case] = {name: _Logged(name, log) for name in ("a", "b", "c")}
+    repeats = harness.INTERLEAVE_TIMED + 2
+    results = await harness.measure("logged", cases, 1, repeats, interleave=True)
+    assert all(r.repeats == repeats for r in results)
+    timed = harness.INTERLEAVE_TIMED
+    warm_runs = 1 + timed  # one warm-up round: its untimed run, then `timed` warm-up runs
+    rounds = math.ceil(repeats / timed)
+    for result in results:
+        case = cases[result.impl]
+        assert isinstance(case, _Logged)
+        assert case.runs == warm_runs + rounds + repeats
+        assert result.max_s == case.runs  # the last run was timed
+        assert result.min_s == warm_runs + 2  # the first timed run follows an untimed one
+        assert result.median_s != warm_runs + timed + 2  # round 3's untimed run was not timed
+    # Each round's block for a case: consecutive runs of that case only.
+    blocks = [name for i, name in enumerate(log) if i == 0 or log[i - 1] != name]
+    assert len(blocks) == 3 * (1 + rounds)
 
 
 @pytest.mark.timeout(30)

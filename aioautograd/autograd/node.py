@@ -211,11 +211,19 @@ class AccumulateGrad(Node):
     inline = True
 
     def __init__(self, variable: Tensor) -> None:
-        Node.__init__(self, (), _ACCUMULATE_SEQUENCE_NR)  # (one per leaf per step)
+        # Node.__init__'s fields, set here (one node per leaf per step): no edges, and the
+        # input metadata and tensor hooks are read from the leaf (their setters do nothing).
+        self._next_edges = ()
+        self.topological_nr = 0
+        self.sequence_nr = _ACCUMULATE_SEQUENCE_NR
+        self._pre_hooks = None
+        self._post_hooks = None
+        self._retains_grad_hooks = None
+        self._metadata = None
+        self._lock = threading.Lock()
         self.variable = variable
         device = variable.device
-        if device.backend.has_streams:
-            self._stream = device.current_stream()
+        self._stream = device.current_stream() if device.backend.has_streams else None
 
     @property
     def _input_metadata(self) -> list[InputMetadata]:
@@ -225,7 +233,7 @@ class AccumulateGrad(Node):
 
     @_input_metadata.setter
     def _input_metadata(self, value: list[InputMetadata]) -> None:
-        pass  # derived from the variable; Node.__init__ assigns a default
+        pass  # derived from the variable (nothing to store)
 
     @property
     def _tensor_pre_hooks(self) -> dict[int, HookDict] | None:
@@ -236,7 +244,7 @@ class AccumulateGrad(Node):
 
     @_tensor_pre_hooks.setter
     def _tensor_pre_hooks(self, value: dict[int, HookDict] | None) -> None:
-        pass  # derived from the variable; Node.__init__ assigns a default
+        pass  # derived from the variable (nothing to store)
 
     def apply(self, grads: Grads) -> Sequence[Tensor | None]:
         grad = grads[0]

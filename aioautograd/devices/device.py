@@ -36,6 +36,24 @@ class Backend:
     def check(self, index: int | None) -> None:
         """Raise a clear error if device ``index`` cannot be used."""
 
+    def sum_to_size(self, data: Any, shape: tuple[int, ...]) -> Any:
+        """The array ``data`` summed down to ``shape``, which broadcasts to its shape (the
+        computation of ``Tensor.sum_to_size``; a plain backward's gradient validation calls
+        it directly, having nothing to record)."""
+        lead = data.ndim - len(shape)
+        if lead:
+            fused = self.fused
+            summed = fused.sum_leading(data, lead) if fused is not None else None
+            if summed is None:
+                axis = tuple(range(lead)) if lead > 1 else 0
+                # (the ufunc's reduce, as ndarray.sum calls it, without its Python wrapper)
+                summed = np.add.reduce(data, axis) if type(data) is np.ndarray else data.sum(axis)
+            data = summed
+        axes = tuple(i for i, size in enumerate(shape) if size == 1 and data.shape[i] != 1)
+        if axes:
+            data = data.sum(axis=axes, keepdims=True)
+        return data
+
     @contextlib.contextmanager
     def device_context(self, index: int | None) -> Iterator[None]:
         """Make ``index`` the current device of this type (CUDA's ``with Device(i)``)."""

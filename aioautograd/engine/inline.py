@@ -37,35 +37,31 @@ if TYPE_CHECKING:
 def qualifies(task: NodeTask, max_elements: int) -> bool:
     """Whether ``task`` may run inline: library code only, CPU, no user hooks, small."""
     node = task.node
-    if (
-        not (node.inline or node.is_async)
-        or node._stream is not None
-        or node._pre_hooks
-        or node._post_hooks
-    ):
+    if node._stream is not None or node._pre_hooks or node._post_hooks:
         return False
-    leaf = type(node) is AccumulateGrad
     if type(node) is AccumulateGrad:
         # The leaf's hooks, read from it (the node's property builds a dict per call).
         variable = node.variable
         if variable._backward_hooks or variable._post_accumulate_grad_hooks:
             return False
-    else:
-        tensor_hooks = node._tensor_pre_hooks
-        if tensor_hooks and any(tensor_hooks.values()):
-            return False
-        if node.is_async:
-            # Its apply runs on the loop anyway: started from here, it skips the hand-over to
-            # an executor and back (two thread wake-ups); the graph task completes elsewhere.
-            return all(grad is None or grad.device.type == "cpu" for grad in task.inputs)
+        grad = task.inputs[0]  # (a leaf's node has one input)
+        return grad is None or (grad.device.type == "cpu" and grad.data.size <= max_elements)
+    tensor_hooks = node._tensor_pre_hooks
+    if tensor_hooks and any(tensor_hooks.values()):
+        return False
+    if not node.inline:  # (built-in ops' nodes are never async: not read for them)
+        # An async node's apply runs on the loop anyway: started from here, it skips the
+        # hand-over to an executor and back (two thread wake-ups); the graph task
+        # completes elsewhere.
+        return node.is_async and all(
+            grad is None or grad.device.type == "cpu" for grad in task.inputs
+        )
     size = 0
     for grad in task.inputs:
         if grad is not None:
             if grad.device.type != "cpu":
                 return False
             size += grad.data.size
-    if leaf:
-        return size <= max_elements
     for next_node, input_nr in node._next_edges:
         if next_node is not None:
             if type(next_node) is AccumulateGrad:  # its metadata is the leaf's

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from aioautograd.autograd.node import AccumulateGrad
-from aioautograd.tensor import Tensor
+from aioautograd.grad_mode import _grad_enabled_get
+from aioautograd.tensor import Tensor, wrap
 
 if TYPE_CHECKING:
     from aioautograd._typing import Shape
@@ -97,7 +98,10 @@ def _conform(
                 f"Function {_name(producer)} returned an invalid gradient at index {i} - got "
                 f"{list(data.shape)} but expected shape compatible with {list(shape)}"
             )
-        grad = grad.sum_to_size(shape)
+        if _grad_enabled_get():
+            grad = grad.sum_to_size(shape)  # recorded (create_graph)
+        else:  # a plain backward's bias gradient: the reduction alone
+            grad = wrap(grad.device.backend.sum_to_size(data, shape), grad.device)
     if grad.device is not device:
         raise RuntimeError(
             f"Function {_name(producer)} returned an invalid gradient at index {i} - expected "

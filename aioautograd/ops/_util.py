@@ -64,7 +64,7 @@ def keep_where(xp: Any, mask: Any, values: Any, in_place: bool = False) -> Any:
             values.shape == mask.shape
             or values.shape == xp.broadcast_shapes(values.shape, mask.shape)
         )
-        and bool(xp.isfinite(values).all())
+        and bool(np.logical_and.reduce(np.isfinite(values), axis=None))
     ):
         if in_place and values.shape == mask.shape:
             return xp.multiply(values, mask, out=values)

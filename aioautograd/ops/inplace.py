@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from aioautograd.function import check_inplace
+from aioautograd.function import _broadcast_error, check_inplace
 from aioautograd.grad_mode import _grad_enabled, is_grad_enabled
 from aioautograd.ops._util import Op, as_tensor_like, device_operand
 from aioautograd.ops.unary import ThresholdBackward, _threshold_backward
@@ -32,18 +32,22 @@ def check_target(x: Tensor, *sources: Any) -> None:
         )
 
 
+def _add_scaled(x: Tensor, other: Any, alpha: float) -> None:
+    """``x.data += alpha * other``: the array work of ``add_``."""
+    other_data = other.data if isinstance(other, Tensor) else device_operand(other, x.device)
+    fused = x.device.backend.fused
+    if alpha != 1 and fused is not None and fused.add_scaled_(x.data, other_data, alpha):
+        return
+    if alpha != 1:
+        other_data = other_data * alpha
+    x.xp.add(x.data, other_data, out=x.data, casting="same_kind")
+
+
 class AddInplace(Op):
     @staticmethod
     def forward(ctx: Any, x: Tensor, other: Any, alpha: float) -> Tensor:
-        other_data = other.data if isinstance(other, Tensor) else device_operand(other, x.device)
         ctx.alpha = alpha
-        fused = x.device.backend.fused
-        if alpha != 1 and fused is not None and fused.add_scaled_(x.data, other_data, alpha):
-            ctx.mark_dirty(x)
-            return x
-        if alpha != 1:
-            other_data = other_data * alpha
-        x.xp.add(x.data, other_data, out=x.data, casting="same_kind")
+        _add_scaled(x, other, alpha)
         ctx.mark_dirty(x)
         return x
 
@@ -166,7 +170,16 @@ class CopyInplace(Op):
 def add_(x: Tensor, other: Any, alpha: float = 1) -> Tensor:
     """``x += alpha * other`` in place."""
     check_target(x, other)
-    return AddInplace.apply(x, other, alpha)
+    if _grad_enabled.get() or not isinstance(other, Tensor):
+        return AddInplace.apply(x, other, alpha)
+    # Nothing to record (an optimizer's update, ``p.sub_(p.grad, alpha=lr)``): the op's
+    # forward and the version bump that ``Function.apply`` would run, without its context.
+    try:
+        _add_scaled(x, other, alpha)
+    except ValueError as exc:
+        raise _broadcast_error(AddInplace, (x, other, alpha), exc) from exc
+    x._bump_version()
+    return x
 
 
 def mul_(x: Tensor, other: Any) -> Tensor:

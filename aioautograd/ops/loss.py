@@ -73,7 +73,15 @@ class CrossEntropy(Op):
         dim = setup.class_dim
         shifted = input.data - input.data.max(axis=dim, keepdims=True)
         log_probs = shifted - xp.log(xp.exp(shifted).sum(axis=dim, keepdims=True))
-        if setup.class_indices:
+        plain = setup.class_indices and _plain_targets(xp, log_probs, target.data, setup)
+        if plain:
+            # Every target a class in range, none ignored, no weight or smoothing: each
+            # position weighs 1 (the general formula's factors of 1 are exact, left out).
+            rows = target.data.shape[0]
+            losses = -log_probs[np.arange(rows), target.data]
+            denominator = log_probs.dtype.type(rows)
+            ctx.class_targets = (target.data, None)
+        elif setup.class_indices:
             losses, denominator, class_targets = _class_index_losses(
                 xp, log_probs, target.data, setup, input.device
             )
@@ -84,13 +92,14 @@ class CrossEntropy(Op):
             ctx.save_for_backward(input, target, Tensor(log_probs, input.device))
             # All positions ignored: the loss is 0/0 = NaN, but its gradient 0 (PyTorch's),
             # not 0 * inf: divide by 1 instead, every weight being 0.
-            ctx.setup, ctx.denominator = setup, xp.where(denominator == 0, 1, denominator)
+            ctx.setup = setup
+            ctx.denominator = denominator if plain else xp.where(denominator == 0, 1, denominator)
             ctx.saved_device = input.device
         if setup.reduction == "none":
             return wrap(losses, input.device)
         total = losses.sum()
-        if setup.reduction == "sum":
-            return wrap(total, input.device)
+        if setup.reduction == "sum" or plain:
+            return wrap(total if setup.reduction == "sum" else total / denominator, input.device)
         with np.errstate(invalid="ignore", divide="ignore"):  # all targets ignored: nan
             return wrap(total / denominator, input.device)
 
@@ -168,13 +177,33 @@ def _class_index_grad(ctx: Any, xp: Any, g: Any, setup: CrossEntropySetup) -> Te
         # q is the one-hot of the target (zero on ignored rows): subtract it in place. No
         # branch on the data (a host sync on a GPU): ignored rows are zeroed and subtract 0.
         safe, target_weight = ctx.class_targets  # forward's
-        probs *= target_weight[:, None]
-        probs[xp.arange(target.shape[0]), safe] -= target_weight
+        if target_weight is None:  # every position weighs 1 (``_plain_targets``)
+            probs[xp.arange(target.shape[0]), safe] -= 1.0
+        else:
+            probs *= target_weight[:, None]
+            probs[xp.arange(target.shape[0]), safe] -= target_weight
         probs *= g
         return wrap(probs, ctx.saved_device)
     device = ctx.saved_device
     q, total = _class_index_distribution(Tensor(input_data, device), Tensor(target, device), setup)
     return wrap((probs * total.data - q.data) * g, device)
+
+
+def _plain_targets(xp: Any, log_probs: Any, target: Any, setup: CrossEntropySetup) -> bool:
+    """Whether every position of a ``(N, C)`` NumPy input with class-index targets weighs
+    1: no class weight or smoothing, and every target a class in range (so none equals a
+    negative ``ignore_index``). Checked with two reductions in C; anything else takes the
+    general path (which also raises for targets out of range)."""
+    return (
+        xp is np
+        and setup.weight is None
+        and not setup.label_smoothing
+        and setup.ignore_index < 0
+        and log_probs.ndim == 2
+        and target.size > 0
+        and np.minimum.reduce(target) >= 0
+        and np.maximum.reduce(target) < setup.num_classes
+    )
 
 
 def _target_weights(

@@ -75,16 +75,7 @@ class SumToSize(Op):
     @staticmethod
     def forward(ctx: Any, x: Tensor, shape: Shape) -> Tensor:
         ctx.shape = x.shape
-        data = x.data
-        lead = data.ndim - len(shape)
-        if lead:
-            fused = x.device.backend.fused
-            summed = fused.sum_leading(data, lead) if fused is not None else None
-            data = summed if summed is not None else data.sum(axis=tuple(range(lead)))
-        axes = tuple(i for i, size in enumerate(shape) if size == 1 and data.shape[i] != 1)
-        if axes:
-            data = data.sum(axis=axes, keepdims=True)
-        return wrap(data, x.device)
+        return wrap(x.device.backend.sum_to_size(x.data, shape), x.device)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:

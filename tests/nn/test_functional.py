@@ -221,6 +221,65 @@ async def test_cross_entropy_probabilities_match_torch(
     await compare_with_torch(torch, device, ours, theirs, arrays)
 
 
+# Every target a class in range, none ignored, no weight or smoothing: the common case,
+# which the op computes without per-position weights (``loss._plain_targets``).
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+async def test_cross_entropy_with_every_target_a_class_matches_torch(
+    torch: Any, device: str, reduction: str
+) -> None:
+    target = np.array([0, 4, 2, 4, 1, 3])
+
+    def ours(x: ag.Tensor, t: ag.Tensor) -> ag.Tensor:
+        return F.cross_entropy(x, t, reduction=reduction)
+
+    def theirs(x: Any, t: Any) -> Any:
+        return torch.nn.functional.cross_entropy(x, t, reduction=reduction)
+
+    await compare_with_torch(torch, device, ours, theirs, [randn(6, 5) * 2, target])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+async def test_cross_entropy_with_every_target_a_class_gradcheck(reduction: str) -> None:
+    target = ag.tensor(np.array([1, 0, 2, 2]))
+
+    def loss(x: ag.Tensor) -> ag.Tensor:
+        return F.cross_entropy(x, target, reduction=reduction)
+
+    assert await ag.gradcheck(loss, (leaf(randn(4, 3)),))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+async def test_cross_entropy_common_case_is_bitwise_the_general_formula(
+    dtype: str, reduction: str
+) -> None:
+    # ignore_index=7 names no class of 5 (nothing is ignored) but takes the general path
+    # (an ignore_index >= 0 could be a class): same loss and gradient, bit for bit.
+    logits = (randn(8, 5) * 3).astype(dtype)
+    target = ag.tensor(np.array([0, 4, 2, 4, 1, 3, 3, 0]))
+    results = []
+    for ignore_index in (-100, 7):
+        x = ag.tensor(logits, requires_grad=True)
+        loss = F.cross_entropy(x, target, ignore_index=ignore_index, reduction=reduction)
+        await loss.sum().backward()
+        assert x.grad is not None
+        results.append((loss.data, x.grad.data))
+    (loss_a, grad_a), (loss_b, grad_b) = results
+    assert loss_a.dtype == loss_b.dtype == np.dtype(dtype)
+    assert loss_a.tobytes() == loss_b.tobytes()
+    assert grad_a.tobytes() == grad_b.tobytes()
+
+
+@pytest.mark.parametrize("target", [[0, -1, 2], [0, -100, 5], [3, 0, 1]])
+def test_cross_entropy_rejects_a_target_out_of_range_without_ignored_positions(
+    target: list[int],
+) -> None:
+    # A negative index would silently wrap around in NumPy's gather: it must raise.
+    x = leaf(randn(3, 3))
+    with pytest.raises(IndexError, match="out of bounds"):
+        F.cross_entropy(x, ag.tensor(np.array(target)))
+
+
 def _tiny_class_case() -> tuple[ag.Tensor, ag.Tensor, ag.Tensor]:
     x = leaf(randn(3, 3))
     target = ag.tensor([0, 2, 1])

@@ -290,3 +290,29 @@ async def test_a_view_taken_before_a_sibling_rebase_is_reported_then_retaken(tor
     tbase[2:].add_(tw)
     (tbase * tbase).sum().backward()
     assert_close(w.grad, tw.grad)
+
+
+async def test_an_update_under_no_grad_bumps_the_version_and_keeps_the_checks(
+    device: str,
+) -> None:
+    # ``p.sub_(p.grad, alpha=lr)`` as optimizers run it: nothing recorded, but the value, the
+    # version counter (a saved tensor modified since is caught), the dtype, a view's base
+    # and the errors are those of the recorded op.
+    p = ag.tensor(_array(3, 4), device=device, requires_grad=True)
+    step = ag.tensor(_array(3, 4, seed=1), device=device)
+    y = (p * p).sum()  # saves p
+    version = p._version
+    with ag.no_grad():
+        assert p.sub_(step, alpha=0.5) is p
+        p[0].add_(step[0])  # through a view: the base's counter
+    assert p._version == version + 2
+    expected = _array(3, 4) - 0.5 * _array(3, 4, seed=1)
+    expected[0] += _array(3, 4, seed=1)[0]
+    assert_close(p.detach(), expected.astype(p.data.dtype))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        await y.backward()
+    with ag.no_grad(), pytest.raises(RuntimeError, match="cannot be broadcast"):
+        p.add_(ag.tensor(_array(2, 4), device=device))
+    frozen = ag.tensor(_array(4)).expand(3, 4)
+    with ag.no_grad(), pytest.raises(RuntimeError, match="read-only"):
+        frozen.add_(ag.tensor(_array(3, 4)), alpha=2.0)
