@@ -67,8 +67,9 @@ class SlotOrder:
 
     __slots__ = ("expected", "held", "next", "owned")
 
-    def __init__(self, expected: list[tuple[Node, int]]) -> None:
-        self.expected = expected  # (producer, its output index), in summation order
+    def __init__(self, expected: list[tuple[int, int, Node]]) -> None:
+        # (-sequence_nr, output index, producer) of each edge, in summation order
+        self.expected = expected
         self.next = 0
         self.held: dict[tuple[Node, int], tuple[Tensor | None, Stream | None]] | None = None
         # The slot holds a sum this order made (a fresh array nobody else sees): on CPU
@@ -93,38 +94,39 @@ class SlotOrder:
             accumulate(buffer, position, grad, producer, consumer)
             return
         head = expected[k]
-        if head[0] is not source or head[1] != output_nr:
+        if head[2] is not source or head[1] != output_nr:
             if self.held is None:
                 self.held = {}
             self.held[(source, output_nr)] = (grad, producer)
             return
         if producer is None and consumer is None and grad is not None:  # CPU
-            self._add_cpu(buffer, position, grad)
+            # (inline, not a method: this runs for every gradient of a fan-in)
+            old = buffer[position]
+            if old is None:
+                buffer[position] = grad
+            elif _grad_enabled_get():  # create_graph: the sum is recorded
+                buffer[position] = old + grad
+                self.owned = False
+            elif self.owned:
+                data = old.data
+                # The same ufunc as _sum, so the same bits; ``out`` positional (a keyword
+                # costs NumPy an argument parse).
+                old.device.xp.add(data, grad.data, data)
+            else:
+                buffer[position] = _sum(old, grad)
+                self.owned = True
         else:
             accumulate(buffer, position, grad, producer, consumer)
         k += 1
         held = self.held
         while held and k < len(expected):
-            term = held.pop(expected[k], None)
+            head = expected[k]
+            term = held.pop((head[2], head[1]), None)
             if term is None:
                 break
             accumulate(buffer, position, term[0], term[1], consumer)
             k += 1
         self.next = k
-
-    def _add_cpu(self, buffer: InputBuffer, position: int, grad: Tensor) -> None:
-        old = buffer[position]
-        if old is None:
-            buffer[position] = grad
-        elif _grad_enabled_get():  # create_graph: the sum is recorded
-            buffer[position] = old + grad
-            self.owned = False
-        elif self.owned:
-            data = old.data
-            old.device.xp.add(data, grad.data, out=data)  # the same ufunc as _sum: same bits
-        else:
-            buffer[position] = _sum(old, grad)
-            self.owned = True
 
 
 def slot_orders(node: Node, producers: list[Node]) -> list[SlotOrder | None] | None:
@@ -159,7 +161,7 @@ def slot_orders(node: Node, producers: list[Node]) -> list[SlotOrder | None] | N
             slot.sort()
         except TypeError:  # two producers with one sequence number: keep the walk's order
             slot.sort(key=lambda edge: (edge[0], edge[1]))
-        orders.append(SlotOrder([(producer, output_nr) for _, output_nr, producer in slot]))
+        orders.append(SlotOrder(slot))
         needed = True
     return orders if needed else None
 

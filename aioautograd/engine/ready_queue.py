@@ -102,10 +102,15 @@ class ReadyQueue:
         if channel is not None:
             channel.put(None)
 
-    def push_local(self, tasks: list[NodeTask], local: NodeTask, keep: bool) -> None:
+    def push_local(
+        self, tasks: list[NodeTask], local: NodeTask, keep: bool, pop: bool = False
+    ) -> NodeTask | None:
         """Queue every task of ``tasks`` but ``local``, in their order, then ``local`` too
         unless ``keep``: `Engine.dispatch`'s pushes under one lock, waking no thread (the
-        pushing thread serves this queue)."""
+        pushing thread serves this queue). Return the task the caller runs next: ``local``
+        if ``keep``; else, with ``pop``, the queue's first task, popped under the same lock
+        (a fan's node whose successors rank below queued tasks: one lock round trip and one
+        sift instead of two); else ``None``."""
         heap = self._heap
         entries = self._tasks
         tiebreak = self._tiebreak
@@ -117,10 +122,14 @@ class ReadyQueue:
                     item = (-task.key << TIE_BITS) | (next(tiebreak) & _TIE_MASK)
                     entries[item] = task
                     heapq.heappush(heap, item)
-            if not keep:
-                item = (-local.key << TIE_BITS) | (next(tiebreak) & _TIE_MASK)
-                entries[item] = local
+            if keep:
+                return local
+            item = (-local.key << TIE_BITS) | (next(tiebreak) & _TIE_MASK)
+            entries[item] = local
+            if not pop:
                 heapq.heappush(heap, item)
+                return None
+            return entries.pop(heapq.heappushpop(heap, item))
         finally:
             lock.release()
 
