@@ -148,3 +148,38 @@ def test_push_local_pops_equal_keys_first_in_first_out() -> None:
     local = _task(5)
     assert queue.push_local([local], local, keep=False, pop=True) is earlier
     assert queue.pop_nowait() is local
+
+
+class PairGate(ag.Function):
+    """``a * sa + b * sb``, whose ``async`` backward waits for its event: called as
+    ``apply(x, x, ...)`` it has two edges into ``x`` (the summation order's general case)."""
+
+    events: ClassVar[dict[int, asyncio.Event]] = {}
+
+    @staticmethod
+    def forward(ctx: Any, a: ag.Tensor, b: ag.Tensor, key: int, sa: float, sb: float) -> Any:
+        ctx.key, ctx.sa, ctx.sb = key, sa, sb
+        return a * sa + b * sb
+
+    @staticmethod
+    async def backward(ctx: Any, grad: ag.Tensor) -> tuple[Any, ...]:
+        await PairGate.events[ctx.key].wait()
+        return grad * ctx.sa, grad * ctx.sb, None, None, None
+
+
+@pytest.mark.parametrize("release", [(0, 1), (1, 0)])
+async def test_two_edges_from_one_producer_sum_in_their_fixed_order(
+    release: tuple[int, ...],
+) -> None:
+    # float32: the later pair's (1, 1e8) go first, then the earlier pair's (-1e8, 1):
+    # ((1 + 1e8) - 1e8) + 1 == 1; the earlier pair first gives ((-1e8 + 1) + 1) + 1e8 == 0.
+    PairGate.events = {k: asyncio.Event() for k in range(2)}
+    x = ag.ones(3, requires_grad=True)
+    total = PairGate.apply(x, x, 0, -1e8, 1.0) + PairGate.apply(x, x, 1, 1.0, 1e8)
+    task = asyncio.create_task(total.sum().backward())
+    for k in release:
+        await asyncio.sleep(0.03)
+        PairGate.events[k].set()
+    await asyncio.wait_for(task, 10)
+    assert x.grad is not None
+    np.testing.assert_array_equal(x.grad.data, np.ones(3, dtype=np.float32))
