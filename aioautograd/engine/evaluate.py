@@ -83,15 +83,7 @@ def evaluate_task(
         if local is None or successor.key > local.key:
             local = successor
     assert local is not None
-    heap = executor.heap
-    keep = True
-    if heap:
-        try:
-            top = -(heap[0] >> TIE_BITS)
-        except IndexError:  # emptied by another thread since the test
-            top = local.key
-        keep = top <= local.key
-    return executor.queue.push_local(ready, local, keep, drain)
+    return executor.queue.push_local(ready, local, drain)
 
 
 def evaluate_function(task: NodeTask, device: Device, reuse: bool = False) -> Ready:

@@ -102,15 +102,14 @@ class ReadyQueue:
         if channel is not None:
             channel.put(None)
 
-    def push_local(
-        self, tasks: list[NodeTask], local: NodeTask, keep: bool, pop: bool = False
-    ) -> NodeTask | None:
-        """Queue every task of ``tasks`` but ``local``, in their order, then ``local`` too
-        unless ``keep``: `Engine.dispatch`'s pushes under one lock, waking no thread (the
-        pushing thread serves this queue). Return the task the caller runs next: ``local``
-        if ``keep``; else, with ``pop``, the queue's first task, popped under the same lock
-        (a fan's node whose successors rank below queued tasks: one lock round trip and one
-        sift instead of two); else ``None``."""
+    def push_local(self, tasks: list[NodeTask], local: NodeTask, pop: bool) -> NodeTask | None:
+        """Queue every task of ``tasks`` but ``local`` (the highest-priority one), in their
+        order, under one lock and waking no thread (`Engine.dispatch`'s pushes for a thread
+        that serves this queue itself), and return the task that thread runs next: ``local``
+        unless a queued task ranks higher; else ``local`` is queued too and, with ``pop``,
+        the queue's first task is popped and returned in the same lock round trip (a fan's
+        node, whose successors rank below the tasks already queued: one lock round trip and
+        one sift instead of two), without it ``None``."""
         heap = self._heap
         entries = self._tasks
         tiebreak = self._tiebreak
@@ -122,14 +121,14 @@ class ReadyQueue:
                     item = (-task.key << TIE_BITS) | (next(tiebreak) & _TIE_MASK)
                     entries[item] = task
                     heapq.heappush(heap, item)
-            if keep:
+            if not heap or -(heap[0] >> TIE_BITS) <= local.key:
                 return local
             item = (-local.key << TIE_BITS) | (next(tiebreak) & _TIE_MASK)
             entries[item] = local
-            if not pop:
-                heapq.heappush(heap, item)
-                return None
-            return entries.pop(heapq.heappushpop(heap, item))
+            if pop:  # the first task ranks above ``local``: replace it with ``local``
+                return entries.pop(heapq.heapreplace(heap, item))
+            heapq.heappush(heap, item)
+            return None
         finally:
             lock.release()
 

@@ -109,12 +109,23 @@ def test_push_local_keeps_the_local_task_when_nothing_queued_ranks_higher() -> N
     queue = ReadyQueue()
     queue.push(_task(3), wake=False)
     low, high = _task(5), _task(7)
-    assert queue.push_local([low, high], high, keep=True, pop=True) is high
+    assert queue.push_local([low, high], high, pop=True) is high
     assert _drain(queue) == [5, 3]  # the others queued, the kept one not
 
 
+def test_push_local_keeps_the_local_task_over_an_equal_key_queued_before() -> None:
+    # As Engine.dispatch: a successor is queued only when a task of higher priority waits.
+    queue = ReadyQueue()
+    earlier = _task(5)
+    queue.push(earlier, wake=False)
+    local = _task(5)
+    assert queue.push_local([local], local, pop=True) is local
+    assert _drain(queue) == [5]
+    assert queue.pop_nowait() is None
+
+
 @pytest.mark.parametrize("pop", [True, False])
-def test_push_local_without_keeping_queues_the_local_task_and_may_pop_the_first(
+def test_push_local_queues_the_local_task_below_a_higher_one_and_may_pop_that(
     pop: bool,
 ) -> None:
     queue = ReadyQueue()
@@ -122,7 +133,7 @@ def test_push_local_without_keeping_queues_the_local_task_and_may_pop_the_first(
     queue.push(first, wake=False)
     queue.push(_task(2), wake=False)
     low, local = _task(4), _task(6)
-    got = queue.push_local([low, local], local, keep=False, pop=pop)
+    got = queue.push_local([low, local], local, pop=pop)
     if pop:
         assert got is first  # the queue's first task, in the same round trip
         assert _drain(queue) == [6, 4, 2]
@@ -131,22 +142,14 @@ def test_push_local_without_keeping_queues_the_local_task_and_may_pop_the_first(
         assert _drain(queue) == [9, 6, 4, 2]
 
 
-def test_push_local_pops_the_local_task_itself_when_it_ranks_first() -> None:
-    # keep=False came from an unlocked peek; by the time the lock is held the queue's
-    # first task may rank below the local one: the pop returns the local task then.
-    queue = ReadyQueue()
-    queue.push(_task(1), wake=False)
-    local = _task(8)
-    assert queue.push_local([local], local, keep=False, pop=True) is local
-    assert _drain(queue) == [1]
-
-
 def test_push_local_pops_equal_keys_first_in_first_out() -> None:
     queue = ReadyQueue()
-    earlier = _task(5)
-    queue.push(earlier, wake=False)
-    local = _task(5)
-    assert queue.push_local([local], local, keep=False, pop=True) is earlier
+    queue.push(_task(8), wake=False)
+    a = _task(4)
+    queue.push(a, wake=False)
+    local = _task(4)
+    assert queue.push_local([local], local, pop=True).key == 8
+    assert queue.pop_nowait() is a  # queued before local, popped before it
     assert queue.pop_nowait() is local
 
 
