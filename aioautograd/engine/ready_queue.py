@@ -34,6 +34,9 @@ DEPTH_SHIFT = 64
 # ``-key``.
 TIE_BITS = 40
 _TIE_MASK = (1 << TIE_BITS) - 1
+# Bound once: a module attribute lookup per call, for every node a fan queues.
+_heappush = heapq.heappush
+_heapreplace = heapq.heapreplace
 
 
 class NodeTask:
@@ -120,14 +123,17 @@ class ReadyQueue:
                 if task is not local:
                     item = (-task.key << TIE_BITS) | (next(tiebreak) & _TIE_MASK)
                     entries[item] = task
-                    heapq.heappush(heap, item)
-            if not heap or -(heap[0] >> TIE_BITS) <= local.key:
+                    _heappush(heap, item)
+            # A queued task ranks above ``local`` iff its entry is below every entry of
+            # ``local``'s key: below ``base``.
+            base = -local.key << TIE_BITS
+            if not heap or heap[0] >= base:
                 return local
-            item = (-local.key << TIE_BITS) | (next(tiebreak) & _TIE_MASK)
+            item = base | (next(tiebreak) & _TIE_MASK)
             entries[item] = local
             if pop:  # the first task ranks above ``local``: replace it with ``local``
-                return entries.pop(heapq.heapreplace(heap, item))
-            heapq.heappush(heap, item)
+                return entries.pop(_heapreplace(heap, item))
+            _heappush(heap, item)
             return None
         finally:
             lock.release()
