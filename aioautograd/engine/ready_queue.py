@@ -27,13 +27,14 @@ if TYPE_CHECKING:
 
 # ``GraphTask.depth_key`` is ``reentrant_depth << DEPTH_SHIFT``; sequence numbers stay below.
 DEPTH_SHIFT = 64
-# A heap entry is one int, ``(-key << TIE_BITS) | tiebreak``: smallest = next to pop, FIFO
+# A heap entry is one int, ``tiebreak - (key << TIE_BITS)``: smallest = next to pop, FIFO
 # among equal keys. Plain ints compare several times faster than ``(-key, tiebreak, task)``
 # tuples, and a fan pops every node through a heap of up to a thousand entries (about 20
 # comparisons a pop); the task is found by its entry in a dict. ``entry >> TIE_BITS`` is
-# ``-key``.
-TIE_BITS = 40
-_TIE_MASK = (1 << TIE_BITS) - 1
+# ``-key``, since ``0 <= tiebreak < 2**TIE_BITS``: the tiebreak counts the queue's pushes,
+# and 2**64 of them would take centuries, so it is never masked (a mask and the bitwise
+# operations on a negative number cost a fan about 1k instructions per node, callgrind).
+TIE_BITS = 64
 # Bound once: a module attribute lookup per call, for every node a fan queues.
 _heappush = heapq.heappush
 _heapreplace = heapq.heapreplace
@@ -93,7 +94,7 @@ class ReadyQueue:
     def push(self, task: NodeTask, wake: bool = True) -> None:
         """Queue ``task``; ``wake=False`` leaves sleeping threads asleep (the pushing thread
         serves this queue and will pop it itself)."""
-        item = (-task.key << TIE_BITS) | (next(self._tiebreak) & _TIE_MASK)
+        item = next(self._tiebreak) - (task.key << TIE_BITS)
         lock = self._lock
         lock.acquire()  # (not ``with``: this runs for every node a fan queues)
         try:
@@ -121,15 +122,15 @@ class ReadyQueue:
         try:
             for task in tasks:
                 if task is not local:
-                    item = (-task.key << TIE_BITS) | (next(tiebreak) & _TIE_MASK)
+                    item = next(tiebreak) - (task.key << TIE_BITS)
                     entries[item] = task
                     _heappush(heap, item)
             # A queued task ranks above ``local`` iff its entry is below every entry of
-            # ``local``'s key: below ``base``.
-            base = -local.key << TIE_BITS
-            if not heap or heap[0] >= base:
+            # ``local``'s key: below ``low``.
+            low = -(local.key << TIE_BITS)
+            if not heap or heap[0] >= low:
                 return local
-            item = base | (next(tiebreak) & _TIE_MASK)
+            item = low + next(tiebreak)
             entries[item] = local
             if pop:  # the first task ranks above ``local``: replace it with ``local``
                 return entries.pop(_heapreplace(heap, item))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import sys
 import types
 from typing import Any, ClassVar
 
@@ -13,7 +14,7 @@ import pytest
 
 import aioautograd as ag
 from aioautograd.engine import Engine
-from aioautograd.engine.ready_queue import NodeTask, ReadyQueue
+from aioautograd.engine.ready_queue import DEPTH_SHIFT, NodeTask, ReadyQueue
 from tests.helpers import assert_close
 
 
@@ -92,8 +93,8 @@ async def test_a_fans_gradient_matches_torch(torch: Any) -> None:
         engine.close()
 
 
-def _task(key: int) -> NodeTask:
-    graph_task: Any = types.SimpleNamespace(depth_key=0)
+def _task(key: int, depth: int = 0) -> NodeTask:
+    graph_task: Any = types.SimpleNamespace(depth_key=depth << DEPTH_SHIFT)
     node: Any = types.SimpleNamespace(sequence_nr=key)
     return NodeTask(graph_task, node, [])
 
@@ -103,6 +104,20 @@ def _drain(queue: ReadyQueue) -> list[int]:
     while (task := queue.pop_nowait()) is not None:
         keys.append(task.key)
     return keys
+
+
+def test_the_queue_pops_deeper_passes_first_then_later_nodes_then_first_in_first_out() -> None:
+    queue = ReadyQueue()
+    maximum = sys.maxsize  # AccumulateGrad's sequence number
+    tasks = [_task(5), _task(maximum), _task(7, depth=2), _task(5), _task(0, depth=3)]
+    tasks += [_task(maximum), _task(maximum, depth=2)]
+    for task in tasks:
+        queue.push(task, wake=False)
+    assert queue.top_key() == 3 << DEPTH_SHIFT
+    order = [tasks[i] for i in (4, 6, 2, 1, 5, 0, 3)]
+    for task in order:
+        assert queue.pop_nowait() is task
+    assert queue.top_key() is None
 
 
 def test_push_local_keeps_the_local_task_when_nothing_queued_ranks_higher() -> None:
