@@ -42,8 +42,12 @@ _NO_INPUTS: Grads = []
 _current_graph_task_get = current_graph_task.get
 
 
-def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTask | None:
-    """(executor) Evaluate ``task``; return a successor to run next on this thread, if any."""
+def evaluate_task(
+    engine: Engine, task: NodeTask, executor: Executor, drain: bool
+) -> NodeTask | None:
+    """(executor) Evaluate ``task``; return the task to run next on this thread, if any: a
+    successor, or with ``drain`` (the caller would pop the queue next) possibly the queue's
+    first task, popped in the same lock round trip as the successors' pushes."""
     device = executor.device
     made = evaluate_function(task, device, True)
     if made is None:
@@ -68,7 +72,8 @@ def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTas
         ready = made  # type: ignore[assignment]  # (not a NodeTask: the list)
     # Engine.dispatch for the fan's case, every successor on this device (the caller's
     # executor serves it): the highest-priority one runs next here unless a task of higher
-    # priority waits; the others go to the queue under one lock, in dispatch's order.
+    # priority waits; the others go to the queue under one lock, in dispatch's order (then,
+    # with ``drain``, the queue's first task comes back in the same round trip).
     local: NodeTask | None = None
     for successor in ready:
         grads = successor.inputs
@@ -78,16 +83,7 @@ def evaluate_task(engine: Engine, task: NodeTask, executor: Executor) -> NodeTas
         if local is None or successor.key > local.key:
             local = successor
     assert local is not None
-    heap = executor.heap
-    keep = True
-    if heap:
-        try:
-            top = -(heap[0] >> TIE_BITS)
-        except IndexError:  # emptied by another thread since the test
-            top = local.key
-        keep = top <= local.key
-    executor.queue.push_local(ready, local, keep)
-    return local if keep else None
+    return executor.queue.push_local(ready, local, drain)
 
 
 def evaluate_function(task: NodeTask, device: Device, reuse: bool = False) -> Ready:
@@ -326,7 +322,8 @@ def _make_ready(
                 buffer = not_ready.pop(next_node, None) if not_ready else None
                 if buffer is None and producer is None and next_node._stream is None:
                     # The chain's case: a fresh CPU buffer, nothing to accumulate.
-                    if type(next_node) is AccumulateGrad:
+                    # (``[grad]`` for a node of one input: ``[None] * n`` builds two lists)
+                    if type(next_node) is AccumulateGrad or len(next_node._input_metadata) == 1:
                         buffer = [grad]
                     else:
                         buffer = [None] * len(next_node._input_metadata)

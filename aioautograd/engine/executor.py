@@ -221,7 +221,7 @@ class Executor:
         try:
             while task is not None:
                 try:
-                    task = evaluate_task(engine, task, self)
+                    task = evaluate_task(engine, task, self, drain)
                 except BaseException as exc:  # a bug outside the node's own error handling
                     task.graph_task.abort(exc)  # type: ignore[union-attr]
                     task = None
@@ -320,10 +320,10 @@ class Executor:
             thread.join()
 
 
-_evaluate_task: Callable[[Engine, NodeTask, Executor], NodeTask | None] | None = None
+_evaluate_task: Callable[[Engine, NodeTask, Executor, bool], NodeTask | None] | None = None
 
 
-def _load_evaluate_task() -> Callable[[Engine, NodeTask, Executor], NodeTask | None]:
+def _load_evaluate_task() -> Callable[[Engine, NodeTask, Executor, bool], NodeTask | None]:
     # evaluate.py imports this module (through graph_task.py): bound on first use, because an
     # import statement inside ``run`` cost ~8k instructions per call (callgrind).
     global _evaluate_task

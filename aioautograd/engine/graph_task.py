@@ -257,7 +257,7 @@ class GraphTask:
                 if next_node is None or (min_topo_nr and next_node.topological_nr < min_topo_nr):
                     continue
                 if next_node in dependencies:
-                    dependencies[next_node] += 1
+                    # A node fed by several edges: its count is its producers' (below).
                     if next_node in fan_in:
                         fan_in[next_node].append(node)
                     else:
@@ -272,6 +272,8 @@ class GraphTask:
                             return False
                         pause_if_due()
                         check_at = min(limit, seen + 1024)
+        for next_node, producers in fan_in.items():
+            dependencies[next_node] = len(producers)
         return True
 
     def init_to_execute(

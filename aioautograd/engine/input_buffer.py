@@ -7,7 +7,8 @@ event) for the producer's stream before it touches a gradient the producer compu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any
 
 from aioautograd.autograd.node import AccumulateGrad
 from aioautograd.devices.device import CPU, Device
@@ -65,12 +66,16 @@ class SlotOrder:
     ones before it are in. Two gradients need no order (``a + b == b + a``).
     """
 
-    __slots__ = ("expected", "held", "next", "owned")
+    __slots__ = ("expected", "held", "next", "outputs", "owned")
 
-    def __init__(self, expected: list[tuple[Node, int]]) -> None:
-        self.expected = expected  # (producer, its output index), in summation order
+    def __init__(self, expected: list[Node], outputs: list[int] | None) -> None:
+        # The producers in summation order, and the output index of each one's edge
+        # (``None`` when every producer has one edge into this input: a fan's branches).
+        self.expected = expected
+        self.outputs = outputs
         self.next = 0
-        self.held: dict[tuple[Node, int], tuple[Tensor | None, Stream | None]] | None = None
+        # Gradients that arrived early, by producer (and output index, with ``outputs``).
+        self.held: dict[Any, tuple[Tensor | None, Stream | None]] | None = None
         # The slot holds a sum this order made (a fresh array nobody else sees): on CPU
         # without create_graph the next terms are added into it in place.
         self.owned = False
@@ -88,43 +93,47 @@ class SlotOrder:
         """``accumulate`` the gradient ``source`` sent along its edge ``output_nr``, once
         every gradient before it in the order is in."""
         expected = self.expected
+        outputs = self.outputs
         k = self.next
         if k == len(expected):  # an edge the graph walk did not see: nothing to order by
             accumulate(buffer, position, grad, producer, consumer)
             return
-        head = expected[k]
-        if head[0] is not source or head[1] != output_nr:
+        if expected[k] is not source or (outputs is not None and outputs[k] != output_nr):
             if self.held is None:
                 self.held = {}
-            self.held[(source, output_nr)] = (grad, producer)
+            self.held[source if outputs is None else (source, output_nr)] = (grad, producer)
             return
         if producer is None and consumer is None and grad is not None:  # CPU
-            self._add_cpu(buffer, position, grad)
+            # (inline, not a method: this runs for every gradient of a fan-in)
+            old = buffer[position]
+            if old is None:
+                buffer[position] = grad
+            elif _grad_enabled_get():  # create_graph: the sum is recorded
+                buffer[position] = old + grad
+                self.owned = False
+            elif self.owned:
+                data = old.data
+                # The same ufunc as _sum, so the same bits; ``out`` positional (a keyword
+                # costs NumPy an argument parse).
+                old.device.xp.add(data, grad.data, data)
+            else:
+                buffer[position] = _sum(old, grad)
+                self.owned = True
         else:
             accumulate(buffer, position, grad, producer, consumer)
         k += 1
         held = self.held
         while held and k < len(expected):
-            term = held.pop(expected[k], None)
+            key = expected[k] if outputs is None else (expected[k], outputs[k])
+            term = held.pop(key, None)
             if term is None:
                 break
             accumulate(buffer, position, term[0], term[1], consumer)
             k += 1
         self.next = k
 
-    def _add_cpu(self, buffer: InputBuffer, position: int, grad: Tensor) -> None:
-        old = buffer[position]
-        if old is None:
-            buffer[position] = grad
-        elif _grad_enabled_get():  # create_graph: the sum is recorded
-            buffer[position] = old + grad
-            self.owned = False
-        elif self.owned:
-            data = old.data
-            old.device.xp.add(data, grad.data, out=data)  # the same ufunc as _sum: same bits
-        else:
-            buffer[position] = _sum(old, grad)
-            self.owned = True
+
+_sequence_nr = attrgetter("sequence_nr")
 
 
 def slot_orders(node: Node, producers: list[Node]) -> list[SlotOrder | None] | None:
@@ -137,6 +146,16 @@ def slot_orders(node: Node, producers: list[Node]) -> list[SlotOrder | None] | N
     if len(producers) < 3:
         return None
     inputs = 1 if type(node) is AccumulateGrad else len(node._input_metadata)
+    count = len(producers)
+    if (
+        inputs == 1
+        and len(set(producers)) == count
+        and len(set(map(_sequence_nr, producers))) == count
+    ):
+        # One input, one edge from each producer (a fan's branches): the order is the
+        # producers', latest-created first, found without a loop over their edges (the
+        # general case's order when no two share a sequence number).
+        return [SlotOrder(sorted(producers, key=_sequence_nr, reverse=True), None)]
     edges: list[list[tuple[int, int, Node]]] = [[] for _ in range(inputs)]
     previous = None
     for producer in producers:
@@ -159,7 +178,7 @@ def slot_orders(node: Node, producers: list[Node]) -> list[SlotOrder | None] | N
             slot.sort()
         except TypeError:  # two producers with one sequence number: keep the walk's order
             slot.sort(key=lambda edge: (edge[0], edge[1]))
-        orders.append(SlotOrder([(producer, output_nr) for _, output_nr, producer in slot]))
+        orders.append(SlotOrder([edge[2] for edge in slot], [edge[1] for edge in slot]))
         needed = True
     return orders if needed else None
 

@@ -27,13 +27,17 @@ if TYPE_CHECKING:
 
 # ``GraphTask.depth_key`` is ``reentrant_depth << DEPTH_SHIFT``; sequence numbers stay below.
 DEPTH_SHIFT = 64
-# A heap entry is one int, ``(-key << TIE_BITS) | tiebreak``: smallest = next to pop, FIFO
+# A heap entry is one int, ``tiebreak - (key << TIE_BITS)``: smallest = next to pop, FIFO
 # among equal keys. Plain ints compare several times faster than ``(-key, tiebreak, task)``
 # tuples, and a fan pops every node through a heap of up to a thousand entries (about 20
 # comparisons a pop); the task is found by its entry in a dict. ``entry >> TIE_BITS`` is
-# ``-key``.
-TIE_BITS = 40
-_TIE_MASK = (1 << TIE_BITS) - 1
+# ``-key``, since ``0 <= tiebreak < 2**TIE_BITS``: the tiebreak counts the queue's pushes,
+# and 2**64 of them would take centuries, so it is never masked (a mask and the bitwise
+# operations on a negative number cost a fan about 1k instructions per node, callgrind).
+TIE_BITS = 64
+# Bound once: a module attribute lookup per call, for every node a fan queues.
+_heappush = heapq.heappush
+_heapreplace = heapq.heapreplace
 
 
 class NodeTask:
@@ -90,7 +94,7 @@ class ReadyQueue:
     def push(self, task: NodeTask, wake: bool = True) -> None:
         """Queue ``task``; ``wake=False`` leaves sleeping threads asleep (the pushing thread
         serves this queue and will pop it itself)."""
-        item = (-task.key << TIE_BITS) | (next(self._tiebreak) & _TIE_MASK)
+        item = next(self._tiebreak) - (task.key << TIE_BITS)
         lock = self._lock
         lock.acquire()  # (not ``with``: this runs for every node a fan queues)
         try:
@@ -102,10 +106,14 @@ class ReadyQueue:
         if channel is not None:
             channel.put(None)
 
-    def push_local(self, tasks: list[NodeTask], local: NodeTask, keep: bool) -> None:
-        """Queue every task of ``tasks`` but ``local``, in their order, then ``local`` too
-        unless ``keep``: `Engine.dispatch`'s pushes under one lock, waking no thread (the
-        pushing thread serves this queue)."""
+    def push_local(self, tasks: list[NodeTask], local: NodeTask, pop: bool) -> NodeTask | None:
+        """Queue every task of ``tasks`` but ``local`` (the highest-priority one), in their
+        order, under one lock and waking no thread (`Engine.dispatch`'s pushes for a thread
+        that serves this queue itself), and return the task that thread runs next: ``local``
+        unless a queued task ranks higher; else ``local`` is queued too and, with ``pop``,
+        the queue's first task is popped and returned in the same lock round trip (a fan's
+        node, whose successors rank below the tasks already queued: one lock round trip and
+        one sift instead of two), without it ``None``."""
         heap = self._heap
         entries = self._tasks
         tiebreak = self._tiebreak
@@ -114,13 +122,20 @@ class ReadyQueue:
         try:
             for task in tasks:
                 if task is not local:
-                    item = (-task.key << TIE_BITS) | (next(tiebreak) & _TIE_MASK)
+                    item = next(tiebreak) - (task.key << TIE_BITS)
                     entries[item] = task
-                    heapq.heappush(heap, item)
-            if not keep:
-                item = (-local.key << TIE_BITS) | (next(tiebreak) & _TIE_MASK)
-                entries[item] = local
-                heapq.heappush(heap, item)
+                    _heappush(heap, item)
+            # A queued task ranks above ``local`` iff its entry is below every entry of
+            # ``local``'s key: below ``low``.
+            low = -(local.key << TIE_BITS)
+            if not heap or heap[0] >= low:
+                return local
+            item = low + next(tiebreak)
+            entries[item] = local
+            if pop:  # the first task ranks above ``local``: replace it with ``local``
+                return entries.pop(_heapreplace(heap, item))
+            _heappush(heap, item)
+            return None
         finally:
             lock.release()
 

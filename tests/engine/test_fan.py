@@ -1,0 +1,203 @@
+"""A fan: one input, many branches, a balanced tree of adds (the shape of the #13 `fan`
+workload), and the ready queue's combined push and pop that its nodes go through."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import sys
+import types
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+import aioautograd as ag
+from aioautograd.engine import Engine
+from aioautograd.engine.ready_queue import DEPTH_SHIFT, NodeTask, ReadyQueue
+from tests.helpers import assert_close
+
+
+def _tree_sum(terms: list[Any]) -> Any:
+    while len(terms) > 1:
+        paired = [terms[i] + terms[i + 1] for i in range(0, len(terms) - 1, 2)]
+        if len(terms) % 2:
+            paired.append(terms[-1])
+        terms = paired
+    return terms[0]
+
+
+class Branch(ag.Function):
+    """``x * c`` that records the order in which the branches' backward ran."""
+
+    order: ClassVar[list[int]] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: ag.Tensor, k: int, c: float) -> ag.Tensor:
+        ctx.k = k
+        ctx.c = c
+        return x * c
+
+    @staticmethod
+    def backward(ctx: Any, grad: ag.Tensor) -> tuple[ag.Tensor, None, None]:
+        Branch.order.append(ctx.k)
+        return grad * ctx.c, None, None
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+async def test_a_fans_branches_run_latest_first_and_sum_bitwise_in_a_fixed_order(
+    threads: int,
+) -> None:
+    # 301 branches (an uneven tree), on the executors (no inline start): every branch's
+    # node goes through the ready queue's combined push and pop.
+    engine = Engine(num_cpu_threads=threads, inline_budget_s=0.0)
+    try:
+        factors = [1.0 + 1e-3 * k for k in range(301)]
+        data = np.linspace(-1.0, 1.0, 5, dtype=np.float32)
+        for _ in range(3):
+            Branch.order = []
+            x = ag.tensor(data, requires_grad=True)
+            loss = _tree_sum([Branch.apply(x, k, c) for k, c in enumerate(factors)]).sum()
+            await asyncio.wait_for(
+                engine.execute([(loss.grad_fn, 0)], [ag.ones(())], False, False, True), 30
+            )
+            if threads == 1:  # priority order: the latest-created branch first
+                assert Branch.order == list(range(len(factors) - 1, -1, -1))
+            else:
+                assert sorted(Branch.order) == list(range(len(factors)))
+            # The branches' gradients summed latest-created first, whatever the scheduling.
+            terms = [np.float32(c) * np.ones(5, np.float32) for c in reversed(factors)]
+            expected = functools.reduce(np.add, terms)
+            assert x.grad is not None
+            assert x.grad.data.tobytes() == expected.tobytes()
+    finally:
+        engine.close()
+
+
+async def test_a_fans_gradient_matches_torch(torch: Any) -> None:
+    engine = Engine(num_cpu_threads=2, inline_budget_s=0.0)
+    try:
+        factors = [0.5 + 0.01 * k for k in range(200)]
+        data = np.linspace(-2.0, 2.0, 6)
+        x = ag.tensor(data, requires_grad=True)
+        loss = _tree_sum([(x * c).sin() * c for c in factors]).sum()
+        await asyncio.wait_for(
+            engine.execute([(loss.grad_fn, 0)], [ag.ones((), dtype="float64")], False, False, True),
+            30,
+        )
+        tx = torch.tensor(data, requires_grad=True)
+        _tree_sum([(tx * c).sin() * c for c in factors]).sum().backward()
+        assert x.grad is not None
+        assert_close(x.grad, tx.grad, rtol=1e-12, atol=1e-12)
+    finally:
+        engine.close()
+
+
+def _task(key: int, depth: int = 0) -> NodeTask:
+    graph_task: Any = types.SimpleNamespace(depth_key=depth << DEPTH_SHIFT)
+    node: Any = types.SimpleNamespace(sequence_nr=key)
+    return NodeTask(graph_task, node, [])
+
+
+def _drain(queue: ReadyQueue) -> list[int]:
+    keys = []
+    while (task := queue.pop_nowait()) is not None:
+        keys.append(task.key)
+    return keys
+
+
+def test_the_queue_pops_deeper_passes_first_then_later_nodes_then_first_in_first_out() -> None:
+    queue = ReadyQueue()
+    maximum = sys.maxsize  # AccumulateGrad's sequence number
+    tasks = [_task(5), _task(maximum), _task(7, depth=2), _task(5), _task(0, depth=3)]
+    tasks += [_task(maximum), _task(maximum, depth=2)]
+    for task in tasks:
+        queue.push(task, wake=False)
+    assert queue.top_key() == 3 << DEPTH_SHIFT
+    order = [tasks[i] for i in (4, 6, 2, 1, 5, 0, 3)]
+    for task in order:
+        assert queue.pop_nowait() is task
+    assert queue.top_key() is None
+
+
+def test_push_local_keeps_the_local_task_when_nothing_queued_ranks_higher() -> None:
+    queue = ReadyQueue()
+    queue.push(_task(3), wake=False)
+    low, high = _task(5), _task(7)
+    assert queue.push_local([low, high], high, pop=True) is high
+    assert _drain(queue) == [5, 3]  # the others queued, the kept one not
+
+
+def test_push_local_keeps_the_local_task_over_an_equal_key_queued_before() -> None:
+    # As Engine.dispatch: a successor is queued only when a task of higher priority waits.
+    queue = ReadyQueue()
+    earlier = _task(5)
+    queue.push(earlier, wake=False)
+    local = _task(5)
+    assert queue.push_local([local], local, pop=True) is local
+    assert _drain(queue) == [5]
+    assert queue.pop_nowait() is None
+
+
+@pytest.mark.parametrize("pop", [True, False])
+def test_push_local_queues_the_local_task_below_a_higher_one_and_may_pop_that(
+    pop: bool,
+) -> None:
+    queue = ReadyQueue()
+    first = _task(9)
+    queue.push(first, wake=False)
+    queue.push(_task(2), wake=False)
+    low, local = _task(4), _task(6)
+    got = queue.push_local([low, local], local, pop=pop)
+    if pop:
+        assert got is first  # the queue's first task, in the same round trip
+        assert _drain(queue) == [6, 4, 2]
+    else:
+        assert got is None
+        assert _drain(queue) == [9, 6, 4, 2]
+
+
+def test_push_local_pops_equal_keys_first_in_first_out() -> None:
+    queue = ReadyQueue()
+    queue.push(_task(8), wake=False)
+    a = _task(4)
+    queue.push(a, wake=False)
+    local = _task(4)
+    assert queue.push_local([local], local, pop=True).key == 8
+    assert queue.pop_nowait() is a  # queued before local, popped before it
+    assert queue.pop_nowait() is local
+
+
+class PairGate(ag.Function):
+    """``a * sa + b * sb``, whose ``async`` backward waits for its event: called as
+    ``apply(x, x, ...)`` it has two edges into ``x`` (the summation order's general case)."""
+
+    events: ClassVar[dict[int, asyncio.Event]] = {}
+
+    @staticmethod
+    def forward(ctx: Any, a: ag.Tensor, b: ag.Tensor, key: int, sa: float, sb: float) -> Any:
+        ctx.key, ctx.sa, ctx.sb = key, sa, sb
+        return a * sa + b * sb
+
+    @staticmethod
+    async def backward(ctx: Any, grad: ag.Tensor) -> tuple[Any, ...]:
+        await PairGate.events[ctx.key].wait()
+        return grad * ctx.sa, grad * ctx.sb, None, None, None
+
+
+@pytest.mark.parametrize("release", [(0, 1), (1, 0)])
+async def test_two_edges_from_one_producer_sum_in_their_fixed_order(
+    release: tuple[int, ...],
+) -> None:
+    # float32: the later pair's (1, 1e8) go first, then the earlier pair's (-1e8, 1):
+    # ((1 + 1e8) - 1e8) + 1 == 1; the earlier pair first gives ((-1e8 + 1) + 1) + 1e8 == 0.
+    PairGate.events = {k: asyncio.Event() for k in range(2)}
+    x = ag.ones(3, requires_grad=True)
+    total = PairGate.apply(x, x, 0, -1e8, 1.0) + PairGate.apply(x, x, 1, 1.0, 1e8)
+    task = asyncio.create_task(total.sum().backward())
+    for k in release:
+        await asyncio.sleep(0.03)
+        PairGate.events[k].set()
+    await asyncio.wait_for(task, 10)
+    assert x.grad is not None
+    np.testing.assert_array_equal(x.grad.data, np.ones(3, dtype=np.float32))
