@@ -54,6 +54,12 @@ class EnginePolicy:
         intra_op_min_flops: products of at least this many floating-point operations are
             split over idle cores (about 0.15 ms on one core; waking a helper costs ~40 µs;
             ``mlp``).
+        place_helpers: keep an intra-op helper off the CPU of the thread that wakes it for a
+            split or paired product (Linux; its affinity is changed only when that CPU
+            changes). The caller computes its own chunks meanwhile, and the kernel may queue
+            the woken helper behind it although another core is idle: on the 2-vCPU VM of
+            ``benchmarks/README.md`` (session 25) a helper woken during a 2.3 ms product
+            started a median 1.7 ms later, against 0.1 ms kept off the caller's CPU.
         blas_min_flops: products below this are left alone, uncounted: OpenBLAS runs them on
             one thread anyway (its threshold is m·n·k < 262,144).
         product_slice_flops: a worker's product that is not split (every core busy) is
@@ -117,6 +123,7 @@ class EnginePolicy:
     manage_blas_threads: bool = True
     intra_op: str = "split"
     intra_op_min_flops: float = 3.0e7
+    place_helpers: bool = True
     blas_min_flops: float = 524_288.0
     product_slice_flops: float = 1.0e8
     loop_hold_s: float = 0.001

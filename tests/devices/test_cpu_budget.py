@@ -22,6 +22,7 @@ from aioautograd.devices.cpu_budget import (
     _BlasThreads,
     _blocks_are_exact,
     _cuts_exactly,
+    _sched_getcpu,
     cpu_budget,
 )
 from aioautograd.engine import Engine, EnginePolicy
@@ -625,3 +626,114 @@ async def test_a_loop_whose_products_never_took_the_cores_does_not_hold_them_for
     finally:
         budget.leave()
     assert np.array_equal(result[0], np.matmul(a, b))
+
+
+needs_two_cpus_and_affinity = pytest.mark.skipif(
+    _sched_getcpu is None or len(os.sched_getaffinity(0)) < 2,
+    reason="needs Linux thread affinity and at least two usable CPUs",
+)
+
+
+def _split_from_a_thread_on(
+    budget: CpuBudget, cpu: int, a: np.ndarray, b: np.ndarray
+) -> tuple[bool, set[int]]:
+    """``budget.matmul(a, b)`` from a fresh thread pinned to ``cpu``: whether the result is
+    ``numpy.matmul``'s, and the CPUs the helper may run on afterwards."""
+    outcome: list[tuple[bool, set[int]]] = []
+
+    def caller() -> None:
+        os.sched_setaffinity(0, {cpu})
+        out = budget.matmul(a, b)
+        helper_tid = budget._helpers[0].thread.native_id
+        assert helper_tid is not None
+        outcome.append((np.array_equal(out, np.matmul(a, b)), os.sched_getaffinity(helper_tid)))
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    thread.join(20)
+    assert outcome, "the caller thread did not finish"
+    return outcome[0]
+
+
+@pytest.mark.timeout(60)
+@float32_blocks
+@needs_two_cpus_and_affinity
+@pytest.mark.usefixtures("one_blas_thread")
+def test_a_helper_is_kept_off_the_cpu_of_the_thread_that_splits_a_product() -> None:
+    """The helper woken for a split product may run anywhere but on its caller's CPU, where
+    it would wait for the caller's own chunks; it follows the caller from CPU to CPU."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((256, 784)).astype(np.float32)
+    b = rng.standard_normal((784, 512)).astype(np.float32)
+    budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    process_cpus = os.sched_getaffinity(os.getpid())
+    first, second = sorted(process_cpus)[:2]
+    for cpu in (first, second, first):
+        equal, helper_cpus = _split_from_a_thread_on(budget, cpu, a, b)
+        assert equal
+        assert cpu not in helper_cpus
+        assert helper_cpus == process_cpus - {cpu}
+    assert budget.split_products == 3
+
+
+@pytest.mark.timeout(60)
+@float32_blocks
+@needs_two_cpus_and_affinity
+@pytest.mark.usefixtures("one_blas_thread")
+def test_the_policy_can_leave_the_helpers_placement_to_the_kernel() -> None:
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((256, 784)).astype(np.float32)
+    b = rng.standard_normal((784, 512)).astype(np.float32)
+    budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    budget.place_helpers = False
+    equal, helper_cpus = _split_from_a_thread_on(budget, sorted(os.sched_getaffinity(0))[0], a, b)
+    assert equal
+    assert budget.split_products == 1
+    # Created by the pinned caller, the helper inherited its CPU and kept it: nothing moved it.
+    assert len(helper_cpus) == 1
+
+
+@pytest.mark.timeout(60)
+@float32_blocks
+@needs_two_cpus_and_affinity
+@pytest.mark.usefixtures("one_blas_thread")
+def test_a_paired_product_places_its_helper_too() -> None:
+    a1, b1, a2, b2 = _pair_operands(np.float32)[0]
+    budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    cpu = sorted(os.sched_getaffinity(0))[1]
+    outcome: list[tuple[bool, set[int]]] = []
+
+    def worker() -> None:
+        os.sched_setaffinity(0, {cpu})
+        assert budget.enter()
+        try:
+            first, second = budget.matmul_pair(a1, b1, a2, b2)
+        finally:
+            budget.leave()
+        helper_tid = budget._helpers[0].thread.native_id
+        assert helper_tid is not None
+        equal = np.array_equal(first, np.matmul(a1, b1)) and np.array_equal(
+            second, np.matmul(a2, b2)
+        )
+        outcome.append((equal, os.sched_getaffinity(helper_tid)))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join(20)
+    assert outcome
+    equal, helper_cpus = outcome[0]
+    assert equal
+    assert budget.paired_products == 1
+    assert cpu not in helper_cpus
+
+
+def test_the_policy_reaches_the_budget_s_helper_placement() -> None:
+    engine = Engine(EnginePolicy(place_helpers=False))
+    previous = ag.set_default_engine(engine)
+    try:
+        assert cpu_budget().place_helpers is False
+    finally:
+        assert previous is not None
+        ag.set_default_engine(previous)
+        engine.close()
+    assert cpu_budget().place_helpers is True
