@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import harness, mlp_parts
+from benchmarks import blas_exactness, harness, mlp_parts
 from benchmarks import model_parallel as model_parallel_script
 from benchmarks.concurrency import Heartbeat
 from benchmarks.distributed import LOCAL, torch_rpc_unavailable
@@ -287,3 +287,15 @@ def test_model_parallel_profile_script() -> None:
     assert counts["cpu_ms"] > 0
     assert counts["loop_iterations"] > 0
     assert counts["tasks"] > 0
+
+
+def test_blas_exactness_agrees_with_the_budget_s_probe() -> None:
+    # The script's cut at 64 of a 128x16 @ 16x128 float32 product asks what the budget's
+    # probe asks (other data): both say whether this BLAS cuts float32 products exactly.
+    from aioautograd.devices.cpu_budget import _blocks_are_exact
+
+    result = blas_exactness.check(np.float32, (128, 16, 128), np.random.default_rng(5))
+    assert set(result) == {"rows@16", "cols@16", "rows@64", "cols@64", "2 threads"}
+    assert all(isinstance(value, bool) for value in result.values())
+    exact = _blocks_are_exact(np.dtype(np.float32))
+    assert (result["rows@64"] and result["cols@64"]) == exact
