@@ -465,9 +465,10 @@ class CpuBudget:
         cores: 6.0 ms split against 5.8 ms paired on a quiet machine, 0.5 ms more CPU time),
         and a wait for the slowest chunk after each product. Each product is still cut in
         ``PAIR_CHUNKS`` chunks that either thread may claim, so that a helper another
-        process starves holds back one chunk at most; the results are bitwise those of
-        :meth:`matmul`. Only a counted thread (an engine worker) pairs; anywhere else, or
-        when no core is free, this is two calls of :meth:`matmul`.
+        process starves holds back one chunk at most (a product this BLAS does not cut
+        exactly is one chunk: each thread computes one product whole); the results are
+        bitwise those of :meth:`matmul`. Only a counted thread (an engine worker) pairs;
+        anywhere else, or when no core is free, this is two calls of :meth:`matmul`.
         """
         least = self.min_split_flops
         if (
@@ -597,7 +598,9 @@ class CpuBudget:
 
 def _pairable(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any], min_flops: float) -> bool:
     """Whether ``a @ b`` is a large product that :meth:`CpuBudget.matmul_pair` may run beside
-    another, in chunks on two threads (floating point, ``a`` 2-D or batched, ``b`` 2-D)."""
+    another on two threads (floating point, ``a`` 2-D or batched, ``b`` 2-D): in chunks where
+    this BLAS cuts it exactly (``_cuts_exactly``), else whole (one chunk: still exact, and
+    the only parallelism left for, say, float32 on OpenBLAS's Haswell kernels)."""
     return (
         a.dtype.kind in "fc"
         and b.dtype.kind in "fc"
@@ -605,7 +608,6 @@ def _pairable(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any], min_flops: float
         and b.ndim == 2
         and a.shape[-1] == b.shape[0]
         and 2.0 * a.size * b.shape[1] >= min_flops
-        and _cuts_exactly(a, b)
     )
 
 

@@ -91,7 +91,8 @@ def test_split_products_are_bitwise_equal_to_whole_ones(
 
 def test_products_are_whole_with_a_blas_whose_blocks_round_differently() -> None:
     # OpenBLAS's Haswell kernels (AMD CPUs, Intel without AVX-512) round a float32 product
-    # cut in blocks differently from the whole one: on them products are never cut.
+    # cut in blocks differently from the whole one: on them products are never cut, but a
+    # worker's pair of products still runs side by side, each whole on one thread.
     code = """
 import numpy as np
 from threadpoolctl import threadpool_info
@@ -102,7 +103,15 @@ rng = np.random.default_rng(0)
 a = rng.standard_normal((256, 784)).astype(np.float32)
 b = rng.standard_normal((784, 512)).astype(np.float32)
 out = budget.matmul(a, b)
-print(budget.split_products, bool(np.array_equal(out, np.matmul(a, b))))
+assert budget.enter()
+first, second = budget.matmul_pair(a, b, a.T, out)
+budget.leave()
+print(
+    budget.split_products,
+    budget.paired_products,
+    bool(np.array_equal(out, np.matmul(a, b))),
+    bool(np.array_equal(first, out) and np.array_equal(second, np.matmul(a.T, out))),
+)
 """
     env = {**os.environ, "OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_NUM_THREADS": "1"}
     done = subprocess.run(
@@ -112,7 +121,7 @@ print(budget.split_products, bool(np.array_equal(out, np.matmul(a, b))))
     architecture, result = done.stdout.strip().splitlines()
     if "Haswell" not in architecture:
         pytest.skip(f"this BLAS cannot run OpenBLAS's Haswell kernels here ({architecture})")
-    assert result == "0 True"
+    assert result == "0 1 True True"
 
 
 def test_products_that_cannot_split_still_compute() -> None:
