@@ -34,33 +34,16 @@ import numpy as np  # noqa: E402
 from aioautograd.distributed import autograd as dist_autograd  # noqa: E402
 from aioautograd.distributed import rpc  # noqa: E402
 from aioautograd.nn import functional as F  # noqa: E402
+from benchmarks.loop_counters import COUNTS, count_loop  # noqa: E402
 from benchmarks.model_parallel_workers import AioStepper, example  # noqa: E402
 
 PHASES = ["first_layer", "forward_rpc", "loss", "backward", "optimizer", "release"]
-_counts = {"iterations": 0, "tasks": 0}
-
-
-def _count_loop(loop: asyncio.AbstractEventLoop) -> None:
-    """Count this loop's iterations and the tasks created on it (a wrapper per process)."""
-    run_once = loop._run_once  # type: ignore[attr-defined]
-
-    def counted() -> None:
-        _counts["iterations"] += 1
-        run_once()
-
-    loop._run_once = counted  # type: ignore[attr-defined]
-
-    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
-        _counts["tasks"] += 1
-        return asyncio.Task(coro, loop=loop, **kwargs)
-
-    loop.set_task_factory(factory)
 
 
 @rpc.register
 async def counters() -> list[float]:
     """This worker's CPU seconds and loop counters so far."""
-    return [time.process_time(), _counts["iterations"], _counts["tasks"]]
+    return [time.process_time(), COUNTS["iterations"], COUNTS["tasks"]]
 
 
 async def _timed_step(stepper: AioStepper) -> list[float]:
@@ -85,10 +68,10 @@ async def _drive(steps: int, warmup: int, backend: str) -> dict[str, Any]:
     await stepper.setup()
     for _ in range(warmup):
         await stepper.step()
-    before = [time.process_time(), _counts["iterations"], _counts["tasks"]]
+    before = [time.process_time(), COUNTS["iterations"], COUNTS["tasks"]]
     peer_before = await rpc.rpc_async("worker1", counters)
     marks = [await _timed_step(stepper) for _ in range(steps)]
-    after = [time.process_time(), _counts["iterations"], _counts["tasks"]]
+    after = [time.process_time(), COUNTS["iterations"], COUNTS["tasks"]]
     peer_after = await rpc.rpc_async("worker1", counters)
     table = np.array(marks)
     totals = table[:, -1] - table[:, 0]
@@ -128,7 +111,7 @@ def _per_step_dict(values: list[float]) -> dict[str, float]:
 
 async def _worker(rank: int, backend: str, args: argparse.Namespace) -> None:
     if rank == 0 or backend != "local":
-        _count_loop(asyncio.get_running_loop())
+        count_loop(asyncio.get_running_loop())
     await rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, backend=backend)
     try:
         if rank == 0:

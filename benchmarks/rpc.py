@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,16 +58,19 @@ async def echo(x: Any) -> Any:
     return x
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
-def spawn_grpc_worker(script: str) -> tuple[rpc.GrpcOptions, subprocess.Popen[bytes]]:
-    """Start ``python script --worker`` as rank 1 of a two-worker grpc world on loopback;
+def spawn_grpc_worker(
+    script: str, args: Sequence[str] = ("--worker",)
+) -> tuple[rpc.GrpcOptions, subprocess.Popen[bytes]]:
+    """Start ``python script *args`` as rank 1 of a two-worker grpc world on loopback;
     return the driver's options (rank 0) and the worker process."""
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     env = dict(
         os.environ,
         RANK="1",
@@ -75,7 +79,7 @@ def spawn_grpc_worker(script: str) -> tuple[rpc.GrpcOptions, subprocess.Popen[by
         MASTER_PORT=str(port),
         AIOAUTOGRAD_RPC_TOKEN=token,
     )
-    worker = subprocess.Popen([sys.executable, script, "--worker"], env=env)
+    worker = subprocess.Popen([sys.executable, script, *args], env=env)
     return rpc.GrpcOptions(master_addr="127.0.0.1", master_port=port, token=token), worker
 
 

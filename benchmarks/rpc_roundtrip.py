@@ -31,8 +31,6 @@ import functools
 import json
 import os
 import pstats
-import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,29 +47,14 @@ import numpy as np  # noqa: E402
 
 import aioautograd as ag  # noqa: E402
 from aioautograd.distributed import rpc  # noqa: E402
+from benchmarks.loop_counters import COUNTS, count_loop  # noqa: E402
+from benchmarks.rpc import free_port, spawn_grpc_worker  # noqa: E402
 
 ECHO = "benchmarks.rpc_roundtrip.echo"
 COUNTERS = "benchmarks.rpc_roundtrip.counters"
 PAYLOADS = {"empty": None, "small": (4,), "step": (600, 64)}
 _METHOD = "/bench.Echo/Stream"
-_counts = {"iterations": 0, "tasks": 0}
 _selected = list(PAYLOADS)  # the payloads measured (--payloads)
-
-
-def _count_loop(loop: asyncio.AbstractEventLoop) -> None:
-    run_once = loop._run_once  # type: ignore[attr-defined]
-
-    def counted() -> None:
-        _counts["iterations"] += 1
-        run_once()
-
-    loop._run_once = counted  # type: ignore[attr-defined]
-
-    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
-        _counts["tasks"] += 1
-        return asyncio.Task(coro, loop=loop, **kwargs)
-
-    loop.set_task_factory(factory)
 
 
 def _counters() -> list[float]:
@@ -79,8 +62,8 @@ def _counters() -> list[float]:
     return [
         time.process_time(),
         time.thread_time(),
-        float(_counts["iterations"]),
-        float(_counts["tasks"]),
+        float(COUNTS["iterations"]),
+        float(COUNTS["tasks"]),
     ]
 
 
@@ -92,12 +75,6 @@ async def echo(*x: Any) -> Any:
 @rpc.register(name=COUNTERS)
 async def counters() -> list[float]:
     return _counters()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _payload(name: str) -> Any:
@@ -147,7 +124,7 @@ async def _tasks_stream(requests: Any, context: Any) -> None:
 
 
 async def _bare_server(port: int, profile: bool, tasks: bool = False) -> None:
-    _count_loop(asyncio.get_running_loop())
+    count_loop(asyncio.get_running_loop())
     profiler = cProfile.Profile() if profile else None
     if profiler is not None:
         profiler.enable()
@@ -215,7 +192,7 @@ class _TasksClient:
 
 
 async def _bare_client(port: int, calls: int, warmup: int, tasks: bool) -> list[dict[str, Any]]:
-    _count_loop(asyncio.get_running_loop())
+    count_loop(asyncio.get_running_loop())
     results = []
     async with grpc.aio.insecure_channel(
         f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)]
@@ -300,7 +277,7 @@ def _per_call(values: list[float]) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------- ours
 async def _ours_server(profile: bool) -> None:
-    _count_loop(asyncio.get_running_loop())
+    count_loop(asyncio.get_running_loop())
     await rpc.init_rpc("worker1", backend="grpc")
     profiler = cProfile.Profile() if profile else None
     if profiler is not None:
@@ -314,7 +291,7 @@ async def _ours_server(profile: bool) -> None:
 async def _ours_client(
     options: rpc.GrpcOptions, calls: int, warmup: int, profile: bool
 ) -> list[dict[str, Any]]:
-    _count_loop(asyncio.get_running_loop())
+    count_loop(asyncio.get_running_loop())
     await rpc.init_rpc("driver", 0, 2, "grpc", options=options)
     results = []
     profiler = cProfile.Profile() if profile else None
@@ -400,7 +377,7 @@ async def _inprocess(payload: str, calls: int) -> None:
 def _run_bare(
     calls: int, warmup: int, profile: str | None, tasks: bool = False
 ) -> list[dict[str, Any]]:
-    port = _free_port()
+    port = free_port()
     role = "tasks-server" if tasks else "bare-server"
     argv = [sys.executable, __file__, "--role", role, "--port", str(port)]
     if profile == "bare-server":
@@ -417,21 +394,9 @@ def _run_bare(
 
 
 def _run_ours(calls: int, warmup: int, profile: str | None) -> list[dict[str, Any]]:
-    port, token = _free_port(), secrets.token_hex(16)
-    env = dict(
-        os.environ,
-        RANK="1",
-        WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        AIOAUTOGRAD_RPC_TOKEN=token,
-    )
-    argv = [sys.executable, __file__, "--role", "ours-server"]
-    if profile == "ours-server":
-        argv.append("--profile-role")
-    server = subprocess.Popen(argv, env=env)
+    role = ["--role", "ours-server"] + (["--profile-role"] if profile == "ours-server" else [])
+    options, server = spawn_grpc_worker(__file__, role)
     try:
-        options = rpc.GrpcOptions(master_addr="127.0.0.1", master_port=port, token=token)
         return asyncio.run(_ours_client(options, calls, warmup, profile == "ours-client"))
     finally:
         server.wait(30)
