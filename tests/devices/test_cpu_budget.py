@@ -643,25 +643,35 @@ needs_two_cpus_and_affinity = pytest.mark.skipif(
 )
 
 
-def _split_from_a_thread_on(
-    budget: CpuBudget, cpu: int, a: np.ndarray, b: np.ndarray
+def _on_a_thread_pinned_to(
+    budget: CpuBudget, cpu: int, compute: Callable[[], bool]
 ) -> tuple[bool, set[int]]:
-    """``budget.matmul(a, b)`` from a fresh thread pinned to ``cpu``: whether the result is
-    ``numpy.matmul``'s, and the CPUs the helper may run on afterwards."""
+    """``compute()`` (products on ``budget``; whether they equal ``numpy.matmul``'s) on a
+    fresh thread pinned to ``cpu``: its answer, and the CPUs the helper may run on after."""
     outcome: list[tuple[bool, set[int]]] = []
 
     def caller() -> None:
         os.sched_setaffinity(0, {cpu})
-        out = budget.matmul(a, b)
+        equal = compute()
         helper_tid = budget._helpers[0].thread.native_id
         assert helper_tid is not None
-        outcome.append((np.array_equal(out, np.matmul(a, b)), os.sched_getaffinity(helper_tid)))
+        outcome.append((equal, os.sched_getaffinity(helper_tid)))
 
     thread = threading.Thread(target=caller)
     thread.start()
     thread.join(20)
     assert outcome, "the caller thread did not finish"
     return outcome[0]
+
+
+def _split_from_a_thread_on(
+    budget: CpuBudget, cpu: int, a: np.ndarray, b: np.ndarray
+) -> tuple[bool, set[int]]:
+    """``budget.matmul(a, b)`` from a fresh thread pinned to ``cpu``: whether the result is
+    ``numpy.matmul``'s, and the CPUs the helper may run on afterwards."""
+    return _on_a_thread_pinned_to(
+        budget, cpu, lambda: np.array_equal(budget.matmul(a, b), np.matmul(a, b))
+    )
 
 
 @pytest.mark.timeout(60)
@@ -710,27 +720,18 @@ def test_a_paired_product_places_its_helper_too() -> None:
     a1, b1, a2, b2 = _pair_operands(np.float32)[0]
     budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
     cpu = sorted(os.sched_getaffinity(0))[1]
-    outcome: list[tuple[bool, set[int]]] = []
 
-    def worker() -> None:
-        os.sched_setaffinity(0, {cpu})
+    def pair_on_a_worker() -> bool:
         assert budget.enter()
         try:
             first, second = budget.matmul_pair(a1, b1, a2, b2)
         finally:
             budget.leave()
-        helper_tid = budget._helpers[0].thread.native_id
-        assert helper_tid is not None
-        equal = np.array_equal(first, np.matmul(a1, b1)) and np.array_equal(
+        return np.array_equal(first, np.matmul(a1, b1)) and np.array_equal(
             second, np.matmul(a2, b2)
         )
-        outcome.append((equal, os.sched_getaffinity(helper_tid)))
 
-    thread = threading.Thread(target=worker)
-    thread.start()
-    thread.join(20)
-    assert outcome
-    equal, helper_cpus = outcome[0]
+    equal, helper_cpus = _on_a_thread_pinned_to(budget, cpu, pair_on_a_worker)
     assert equal
     assert budget.paired_products == 1
     assert cpu not in helper_cpus

@@ -15,16 +15,8 @@ import pytest
 import aioautograd as ag
 from aioautograd.engine import Engine
 from aioautograd.engine.ready_queue import DEPTH_SHIFT, NodeTask, ReadyQueue
+from benchmarks.workloads import tree_sum
 from tests.helpers import assert_close
-
-
-def _tree_sum(terms: list[Any]) -> Any:
-    while len(terms) > 1:
-        paired = [terms[i] + terms[i + 1] for i in range(0, len(terms) - 1, 2)]
-        if len(terms) % 2:
-            paired.append(terms[-1])
-        terms = paired
-    return terms[0]
 
 
 class Branch(ag.Function):
@@ -57,7 +49,7 @@ async def test_a_fans_branches_run_latest_first_and_sum_bitwise_in_a_fixed_order
         for _ in range(3):
             Branch.order = []
             x = ag.tensor(data, requires_grad=True)
-            loss = _tree_sum([Branch.apply(x, k, c) for k, c in enumerate(factors)]).sum()
+            loss = tree_sum([Branch.apply(x, k, c) for k, c in enumerate(factors)]).sum()
             await asyncio.wait_for(
                 engine.execute([(loss.grad_fn, 0)], [ag.ones(())], False, False, True), 30
             )
@@ -80,13 +72,13 @@ async def test_a_fans_gradient_matches_torch(torch: Any) -> None:
         factors = [0.5 + 0.01 * k for k in range(200)]
         data = np.linspace(-2.0, 2.0, 6)
         x = ag.tensor(data, requires_grad=True)
-        loss = _tree_sum([(x * c).sin() * c for c in factors]).sum()
+        loss = tree_sum([(x * c).sin() * c for c in factors]).sum()
         await asyncio.wait_for(
             engine.execute([(loss.grad_fn, 0)], [ag.ones((), dtype="float64")], False, False, True),
             30,
         )
         tx = torch.tensor(data, requires_grad=True)
-        _tree_sum([(tx * c).sin() * c for c in factors]).sum().backward()
+        tree_sum([(tx * c).sin() * c for c in factors]).sum().backward()
         assert x.grad is not None
         assert_close(x.grad, tx.grad, rtol=1e-12, atol=1e-12)
     finally:
