@@ -5,7 +5,7 @@ as long as it waits. With every worker held so, every other backward pass of the
 waits too: the pool has as many workers as cores (2 on a 2-core machine). The watchdog
 notices when the executor's queue has not moved for ``EnginePolicy.blocked_node_s`` while
 every worker is busy, and warns (``BlockedWorkerWarning``) naming the nodes that hold the
-workers. Unless every held worker used the CPU meanwhile (long nodes that compute: another
+workers. Unless every held worker wanted a core meanwhile (long nodes that compute: another
 thread would only oversubscribe the cores), it also starts an extra worker that serves the
 queue until it is empty. Extra workers do not count against the CPU budget (the held
 workers do, although a waiting thread leaves its core idle); at most ``MAX_EXTRA_WORKERS``
@@ -60,7 +60,7 @@ def _main(executor_ref: weakref.ref[Executor]) -> None:
 def _watch(executor_ref: weakref.ref[Executor]) -> None:
     last_mark: int | None = None
     since = time.monotonic()
-    ticks: list[int | None] = []
+    demand: list[int | None] = []
     warned: weakref.WeakSet[Node] = weakref.WeakSet()
     while True:
         executor = executor_ref()
@@ -74,13 +74,13 @@ def _watch(executor_ref: weakref.ref[Executor]) -> None:
             last_mark = None
         elif mark != last_mark:
             last_mark, since = mark, now
-            ticks = [cpu_ticks(thread) for thread in executor.threads()]
+            demand = [cpu_demand_ns(thread) for thread in executor.threads()]
         elif now - since >= limit and executor.extra_workers < MAX_EXTRA_WORKERS:
             # No node held (workers waiting for a core between two nodes): the budget's
             # business, not ours.
             nodes = held_nodes(executor)
             if nodes:
-                computing = _all_computing(executor, ticks, now - since)
+                computing = _all_computing(executor, demand, now - since)
                 # Warn first: once started, the extra worker may finish the waiting passes
                 # before this thread gets the GIL back, and a warning emitted after them
                 # would name a wait that is over. (Suppressed: a warnings filter that turns
@@ -91,35 +91,46 @@ def _watch(executor_ref: weakref.ref[Executor]) -> None:
                     executor.start_extra_worker()
             del nodes  # not kept alive while the watchdog sleeps
             since = now
-            ticks = [cpu_ticks(thread) for thread in executor.threads()]
+            demand = [cpu_demand_ns(thread) for thread in executor.threads()]
         del executor
         time.sleep(interval)
 
 
 def _all_computing(executor: Executor, before: list[int | None], held_s: float) -> bool:
-    """Whether every worker used the CPU over the last ``held_s`` (at least 5% of a core:
-    a thread that waits uses none, one that computes on a loaded machine still gets about
-    a third): long nodes that compute, for which another thread would only oversubscribe
-    the cores. False where the kernel does not say (no ``/proc``)."""
+    """Whether every worker wanted a core over the last ``held_s``, running or waiting in
+    the kernel's run queue for at least 5% of it (a thread that waits on a lock, an event or
+    I/O does neither): long nodes that compute, for which another thread would only
+    oversubscribe the cores. A worker kept off the cores by other processes still counts:
+    it is computing, and another thread would wait for the same cores. False where the
+    kernel does not say (no ``/proc``)."""
     threads = executor.threads()
     if len(threads) != len(before):
         return False
-    hz = _CLOCK_TICKS
     for thread, start in zip(threads, before, strict=True):
-        end = cpu_ticks(thread)
-        if start is None or end is None or hz is None or (end - start) / hz < 0.05 * held_s:
+        end = cpu_demand_ns(thread)
+        if start is None or end is None or (end - start) < 0.05 * held_s * 1e9:
             return False
     return True
 
 
-def cpu_ticks(thread: threading.Thread) -> int | None:
-    """The CPU time ``thread`` has used, in clock ticks (Linux), or ``None``."""
+def cpu_demand_ns(thread: threading.Thread) -> int | None:
+    """The time ``thread`` has spent on a core or runnable in the run queue, in ns (Linux),
+    or ``None``. From ``schedstat`` where the kernel keeps it; else the CPU time alone, in
+    clock ticks (10 ms steps)."""
+    task = f"/proc/self/task/{thread.native_id}"
     try:
-        with open(f"/proc/self/task/{thread.native_id}/stat", "rb") as stat:
+        with open(f"{task}/schedstat", "rb") as stat:
+            on_cpu, waiting = stat.read().split()[:2]
+        return int(on_cpu) + int(waiting)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(f"{task}/stat", "rb") as stat:
             fields = stat.read().rsplit(b")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])  # utime + stime
+        ticks = int(fields[11]) + int(fields[12])  # utime + stime
     except (OSError, ValueError, IndexError):
         return None
+    return None if _CLOCK_TICKS is None else ticks * 1_000_000_000 // _CLOCK_TICKS
 
 
 def _clock_ticks() -> int | None:

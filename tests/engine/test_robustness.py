@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,7 @@ import pytest
 import aioautograd as ag
 from aioautograd.engine import Engine
 from aioautograd.engine import executor as executor_module
+from aioautograd.engine.watchdog import cpu_demand_ns
 from tests.helpers import assert_close
 
 
@@ -526,6 +528,41 @@ class Computes(ag.Function):
         while time.perf_counter() < end:
             a = np.tanh(a @ a)
         return grad
+
+
+@pytest.mark.skipif(
+    not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"),
+    reason="the kernel keeps no schedstat",
+)
+def test_a_thread_s_demand_for_a_core_counts_its_waits_in_the_run_queue_not_its_sleeps() -> None:
+    # The watchdog tells computing nodes from waiting ones by this demand. A thread that
+    # computes is runnable all along, on a core or queued for one (other processes may hold
+    # the cores: the demand must not depend on the load); one asleep on an event is neither.
+    spans: dict[str, tuple[float, int, int]] = {}
+
+    def spin() -> None:
+        me = threading.current_thread()
+        start, demand = time.perf_counter(), cpu_demand_ns(me)
+        end = start + 0.2
+        while time.perf_counter() < end:
+            pass
+        spans["spin"] = (time.perf_counter() - start, demand or 0, cpu_demand_ns(me) or 0)
+
+    def sleep() -> None:
+        me = threading.current_thread()
+        start, demand = time.perf_counter(), cpu_demand_ns(me)
+        threading.Event().wait(0.2)
+        spans["sleep"] = (time.perf_counter() - start, demand or 0, cpu_demand_ns(me) or 0)
+
+    for target in (spin, sleep):  # one at a time: the spinner alone wants the GIL
+        thread = threading.Thread(target=target)
+        thread.start()
+        thread.join(10)
+    elapsed, before, after = spans["spin"]
+    assert after - before >= 0.8 * elapsed * 1e9
+    elapsed, before, after = spans["sleep"]
+    assert elapsed >= 0.2
+    assert after - before < 0.05 * 1e9
 
 
 async def test_nodes_that_compute_get_a_warning_but_no_extra_worker() -> None:
