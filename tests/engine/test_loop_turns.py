@@ -39,13 +39,22 @@ async def test_a_sleeper_due_during_a_turn_wakes_before_the_next_turn() -> None:
         await turns.take_turn()
         order.append("second")
 
+    woke = loop.create_future()
+
+    async def sleeper() -> None:  # asyncio.sleep's wake-up: a timer resolves its future
+        await woke
+        order.append("tick")
+
     async def first() -> None:
         await turns.take_turn()
+        # Due 1 ms into the turn, whatever the load before it (a sleeper started earlier
+        # could fall due before the turn starts).
+        loop.call_later(0.001, woke.set_result, None)
         _complete_from_a_worker(loop, completed)
         time.sleep(0.02)  # noqa: ASYNC251  (its work: a forward pass on the loop's thread)
         order.append("first")
 
-    tasks = [asyncio.ensure_future(_heartbeat(order)), asyncio.ensure_future(second())]
+    tasks = [asyncio.ensure_future(sleeper()), asyncio.ensure_future(second())]
     await asyncio.sleep(0)  # both wait now
     await asyncio.gather(first(), *tasks)
     assert order == ["first", "tick", "second"]
