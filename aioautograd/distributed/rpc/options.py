@@ -157,10 +157,11 @@ class GrpcOptions(RpcBackendOptions):
             this process for reuse instead of handing it back to the kernel after every
             step (mmap threshold 32 MiB, trim threshold 64 MiB: where glibc's own adaptive
             rule ends). A worker process reuses its steps' arrays and messages without page
-            faults; on the two-worker model-parallel step this took the step from 5.8-7.4 to
-            4.8-5.6 ms (``benchmarks/README.md``, issue #15). Process-wide; skipped without
-            glibc and when the environment sets the thresholds itself (``MALLOC_*_``
-            variables, ``GLIBC_TUNABLES``). See :mod:`aioautograd.distributed.rpc.memory`.
+            faults; on the two-worker model-parallel step (profile script, loaded VM) this
+            took the step's median from 6.0-7.1 to 4.9-5.7 ms (``benchmarks/README.md``,
+            issue #15, session 26). Process-wide; skipped without glibc and when the
+            environment sets the thresholds itself (``MALLOC_*_`` variables,
+            ``GLIBC_TUNABLES``). See :mod:`aioautograd.distributed.rpc.memory`.
     """
 
     master_addr: str | None = None
