@@ -3,8 +3,11 @@
 Runs the step of ``benchmarks/model_parallel.py`` (``AioStepper``: the example's model, data
 and distributed optimizer) on rank 0 and reports, over ``--steps`` steps after ``--warmup``:
 the step's median and minimum, the median of each phase (first layer, forward RPC, loss,
-distributed backward, optimizer step, context release), and per step and per worker the CPU
-time of the process (all threads), the event-loop iterations and the tasks created.
+distributed backward, optimizer step, context release) with rank 0's loop-thread CPU and
+loop iterations in it (means), and per step and per worker the CPU time of the process (all
+threads, and by thread: the event loop's, the engine's executors, gRPC's poller, the other
+Python threads, and the native ones: gRPC core's, BLAS's), the event-loop iterations, the
+tasks created, the page faults and the context switches.
 A diagnostic, not a comparison against PyTorch (``model_parallel.py`` does that)::
 
     PYTHONPATH=. python benchmarks/model_parallel_profile.py                # local backend
@@ -21,6 +24,7 @@ import asyncio
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -38,28 +42,84 @@ from benchmarks.loop_counters import COUNTS, count_loop  # noqa: E402
 from benchmarks.model_parallel_workers import AioStepper, example  # noqa: E402
 
 PHASES = ["first_layer", "forward_rpc", "loss", "backward", "optimizer", "release"]
+COUNTERS = ["cpu", "iterations", "tasks", "minor_faults", "context_switches"]
+
+
+def _thread_group(name: str) -> str:
+    if name == "MainThread":
+        return "loop"
+    if name.startswith("aioautograd-cpu"):
+        return "engine"
+    if "_poll_wrapper" in name:
+        return "grpc_poller"
+    return "other_python"
+
+
+def _threads_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads so far, by group (``/proc``'s schedstat: ns);
+    threads that Python does not know (gRPC core's, BLAS's) are ``native``."""
+    groups = {thread.native_id: _thread_group(thread.name) for thread in threading.enumerate()}
+    cpu: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as stat:
+                seconds = int(stat.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+        group = groups.get(int(tid), "native")
+        cpu[group] = cpu.get(group, 0.0) + seconds
+    return cpu
+
+
+def _process_counters() -> list[Any]:
+    # Read on the loop's thread: process CPU, loop iterations, tasks, minor page faults
+    # (/proc/self/stat field 10), context switches of all threads, CPU by thread group.
+    with open("/proc/self/stat") as stat:
+        minor_faults = int(stat.read().rsplit(")", 1)[1].split()[7])
+    switches = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/status") as status:
+                for line in status:  # voluntary_ and nonvoluntary_ctxt_switches
+                    if "ctxt_switches:" in line:
+                        switches += int(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return [
+        time.process_time(),
+        COUNTS["iterations"],
+        COUNTS["tasks"],
+        minor_faults,
+        switches,
+        _threads_cpu(),
+    ]
 
 
 @rpc.register
-async def counters() -> list[float]:
-    """This worker's CPU seconds and loop counters so far."""
-    return [time.process_time(), COUNTS["iterations"], COUNTS["tasks"]]
+async def counters() -> list[Any]:
+    """This worker's counters so far (see ``_process_counters``)."""
+    return _process_counters()
 
 
-async def _timed_step(stepper: AioStepper) -> list[float]:
-    marks = [time.perf_counter()]
+def _mark(marks: list[tuple[float, float, int]]) -> None:
+    marks.append((time.perf_counter(), time.thread_time(), COUNTS["iterations"]))
+
+
+async def _timed_step(stepper: AioStepper) -> list[tuple[float, float, int]]:
+    marks: list[tuple[float, float, int]] = []
+    _mark(marks)
     async with dist_autograd.context() as context_id:
         hidden = stepper.first(stepper.x)
-        marks.append(time.perf_counter())
+        _mark(marks)
         logits = await rpc.rpc_async("worker1", example.stage_forward, args=(hidden,))
-        marks.append(time.perf_counter())
+        _mark(marks)
         loss = F.cross_entropy(logits, stepper.y)
-        marks.append(time.perf_counter())
+        _mark(marks)
         await dist_autograd.backward(context_id, [loss])
-        marks.append(time.perf_counter())
+        _mark(marks)
         await stepper.optimizer.step(context_id)
-        marks.append(time.perf_counter())
-    marks.append(time.perf_counter())
+        _mark(marks)
+    _mark(marks)
     return marks
 
 
@@ -68,15 +128,16 @@ async def _drive(steps: int, warmup: int, backend: str) -> dict[str, Any]:
     await stepper.setup()
     for _ in range(warmup):
         await stepper.step()
-    before = [time.process_time(), COUNTS["iterations"], COUNTS["tasks"]]
+    before = _process_counters()
     peer_before = await rpc.rpc_async("worker1", counters)
     marks = [await _timed_step(stepper) for _ in range(steps)]
-    after = [time.process_time(), COUNTS["iterations"], COUNTS["tasks"]]
+    after = _process_counters()
     peer_after = await rpc.rpc_async("worker1", counters)
-    table = np.array(marks)
-    totals = table[:, -1] - table[:, 0]
-    per_step = [(b - a) / steps for a, b in zip(before, after, strict=True)]
-    peer = [(b - a) / steps for a, b in zip(peer_before, peer_after, strict=True)]
+    table = np.array(marks)  # steps x marks x (wall, loop-thread CPU, loop iterations)
+    totals = table[:, -1, 0] - table[:, 0, 0]
+    phases = np.diff(table, axis=1)
+    per_step = _per_step(before, after, steps)
+    peer = _per_step(peer_before, peer_after, steps)
     one_process = backend == "local"  # both workers share the process, its loop and CPU
     return {
         "backend": backend,
@@ -84,28 +145,40 @@ async def _drive(steps: int, warmup: int, backend: str) -> dict[str, Any]:
         "step_median_ms": round(float(np.median(totals)) * 1e3, 3),
         "step_min_ms": round(float(totals.min()) * 1e3, 3),
         "phase_median_us": dict(
-            zip(
-                PHASES,
-                np.round(np.median(np.diff(table, axis=1), axis=0) * 1e6).tolist(),
-                strict=True,
-            )
+            zip(PHASES, np.round(np.median(phases[:, :, 0], axis=0) * 1e6).tolist(), strict=True)
+        ),
+        # Rank 0's event-loop thread in each phase: CPU (mean) and loop iterations (mean).
+        "phase_loop_cpu_us": dict(
+            zip(PHASES, np.round(np.mean(phases[:, :, 1], axis=0) * 1e6).tolist(), strict=True)
+        ),
+        "phase_loop_iterations": dict(
+            zip(PHASES, np.round(np.mean(phases[:, :, 2], axis=0), 2).tolist(), strict=True)
         ),
         # Per step: CPU (all threads), loop iterations, tasks; by process.
         "per_step": (
-            {"process": _per_step_dict(per_step)}
-            if one_process
-            else {"worker0": _per_step_dict(per_step), "worker1": _per_step_dict(peer)}
+            {"process": per_step} if one_process else {"worker0": per_step, "worker1": peer}
         ),
         "load_average": os.getloadavg(),
     }
 
 
-def _per_step_dict(values: list[float]) -> dict[str, float]:
-    cpu, iterations, tasks = values
+def _per_step(before: list[Any], after: list[Any], steps: int) -> dict[str, Any]:
+    """Per step: CPU (all threads, ms), loop iterations, tasks, page faults, context
+    switches, and the CPU of each group of threads (ms)."""
+    values = {
+        name: (b - a) / steps for name, a, b in zip(COUNTERS, before[:-1], after[:-1], strict=True)
+    }
+    threads_before, threads_after = before[-1], after[-1]
     return {
-        "cpu_ms": round(cpu * 1e3, 3),
-        "loop_iterations": round(iterations, 2),
-        "tasks": round(tasks, 2),
+        "cpu_ms": round(values["cpu"] * 1e3, 3),
+        "loop_iterations": round(values["iterations"], 2),
+        "tasks": round(values["tasks"], 2),
+        "minor_faults": round(values["minor_faults"], 1),
+        "context_switches": round(values["context_switches"], 1),
+        "threads_cpu_ms": {
+            group: round((seconds - threads_before.get(group, 0.0)) / steps * 1e3, 3)
+            for group, seconds in sorted(threads_after.items())
+        },
     }
 
 

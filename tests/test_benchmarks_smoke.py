@@ -283,10 +283,18 @@ def test_model_parallel_profile_script() -> None:
         "release",
     }
     assert all(value > 0 for value in line["phase_median_us"].values())
+    assert set(line["phase_loop_cpu_us"]) == set(line["phase_median_us"])
+    assert line["phase_loop_cpu_us"]["first_layer"] > 0  # NumPy on the loop's thread
+    assert line["phase_loop_iterations"]["forward_rpc"] > 0  # the call waits for the loop
     counts = line["per_step"]["process"]
     assert counts["cpu_ms"] > 0
     assert counts["loop_iterations"] > 0
     assert counts["tasks"] > 0
+    assert counts["minor_faults"] >= 0
+    assert counts["context_switches"] >= 0
+    threads = counts["threads_cpu_ms"]
+    assert threads["loop"] > 0
+    assert sum(threads.values()) <= counts["cpu_ms"] * 1.5  # the same CPU, read twice
 
 
 def test_blas_exactness_agrees_with_the_budget_s_probe() -> None:

@@ -153,6 +153,15 @@ class GrpcOptions(RpcBackendOptions):
             ``"shared"``.
         torchelastic_store: ``(host, port)`` of torchrun's agent store, through which the
             workers find rank 0 (set from the environment under torchrun; needs torch).
+        keep_freed_memory: Set glibc's ``malloc`` to keep up to 64 MiB of freed memory in
+            this process for reuse instead of handing it back to the kernel after every
+            step (mmap threshold 32 MiB, trim threshold 64 MiB: where glibc's own adaptive
+            rule ends). A worker process reuses its steps' arrays and messages without page
+            faults; on the two-worker model-parallel step (profile script, loaded VM) this
+            took the step's median from 6.0-7.1 to 4.9-5.7 ms (``benchmarks/README.md``,
+            issue #15, session 26). Process-wide; skipped without glibc and when the
+            environment sets the thresholds itself (``MALLOC_*_`` variables,
+            ``GLIBC_TUNABLES``). See :mod:`aioautograd.distributed.rpc.memory`.
     """
 
     master_addr: str | None = None
@@ -169,6 +178,7 @@ class GrpcOptions(RpcBackendOptions):
     max_concurrent_calls: int = 4096
     identity: str = ""
     torchelastic_store: tuple[str, int] | None = None
+    keep_freed_memory: bool = True
 
     def resolved(self) -> GrpcOptions:
         """A copy with the environment's values filled in; raises if something is missing."""

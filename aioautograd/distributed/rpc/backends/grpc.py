@@ -77,6 +77,7 @@ from aioautograd.distributed.rpc.errors import (
     RpcTimeoutError,
     WorkerUnavailableError,
 )
+from aioautograd.distributed.rpc.memory import keep_freed_memory
 from aioautograd.distributed.rpc.options import GrpcOptions
 from aioautograd.distributed.rpc.worker import WorkerInfo
 
@@ -303,6 +304,8 @@ class GrpcAgent(RpcAgent):
 
     async def _start(self) -> list[WorkerInfo]:
         options = self.options
+        if options.keep_freed_memory:
+            keep_freed_memory()
         server = grpc.aio.server(
             options=[*_message_limits(options.max_message_size), _NO_REUSEPORT],
             interceptors=[_AuthInterceptor(self.info.name, self._credentials)],
