@@ -307,3 +307,16 @@ def test_blas_exactness_agrees_with_the_budget_s_probe() -> None:
     assert all(isinstance(value, bool) for value in result.values())
     exact = _blocks_are_exact(np.dtype(np.float32))
     assert (result["rows@64"] and result["cols@64"]) == exact
+
+
+def test_async_app_ab_settings_name_policy_fields() -> None:
+    pytest.importorskip("aiohttp")
+    from benchmarks import async_app_ab
+
+    name, fields = async_app_ab._parse_setting("short:gil_hold_s=0.0005,gil_pause_always=1")
+    policy = async_app_ab._policy(fields)
+    assert name == "short"
+    assert policy.gil_hold_s == 0.0005
+    assert policy.gil_pause_always is True
+    assert policy.cpu_threads is None  # untouched fields keep their defaults
+    assert async_app_ab._policy({"cpu_threads": "2", "intra_op": "blas"}).cpu_threads == 2

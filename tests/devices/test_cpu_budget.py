@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import socket
 import subprocess
@@ -735,6 +736,61 @@ def test_a_paired_product_places_its_helper_too() -> None:
     assert equal
     assert budget.paired_products == 1
     assert cpu not in helper_cpus
+
+
+@pytest.mark.timeout(30)
+@needs_two_cpus_and_affinity
+def test_a_helper_is_placed_through_a_call_that_releases_the_gil(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``os.sched_setaffinity`` holds the GIL for the whole system call (up to 6 ms measured
+    while the kernel migrated the helper); ctypes calls the C function without it."""
+    from aioautograd.devices import cpu_budget as cpu_budget_module
+
+    function = cpu_budget_module._sched_setaffinity
+    assert isinstance(function, ctypes._CFuncPtr)
+    assert not function._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # a CDLL call: GIL released
+    calls: list[tuple[int, set[int]]] = []
+    original = cpu_budget_module._set_affinity
+
+    def recording(tid: int, cpus: set[int]) -> None:
+        calls.append((tid, set(cpus)))
+        original(tid, cpus)
+
+    monkeypatch.setattr(cpu_budget_module, "_set_affinity", recording)
+    monkeypatch.setattr(os, "sched_setaffinity", None)  # the old path would fail
+    budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    helper = budget._take_helpers(1)[0]
+    process_cpus = os.sched_getaffinity(os.getpid())
+    for cpu in sorted(process_cpus)[:2]:
+        helper.avoid_cpu(cpu)
+        assert helper.avoided_cpu == cpu
+        assert os.sched_getaffinity(helper.thread.native_id) == process_cpus - {cpu}
+    assert calls == [
+        (helper.thread.native_id, process_cpus - {cpu}) for cpu in sorted(process_cpus)[:2]
+    ]
+
+
+@needs_two_cpus_and_affinity
+def test_an_affinity_the_kernel_refuses_raises_and_leaves_the_thread_as_it_was() -> None:
+    from aioautograd.devices.cpu_budget import _set_affinity
+
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, daemon=True)
+    thread.start()
+    tid = thread.native_id
+    assert tid is not None
+    try:
+        before = os.sched_getaffinity(tid)
+        with pytest.raises(OSError, match="Invalid argument"):
+            _set_affinity(tid, {4096})  # no such CPU (a mask wider than glibc's cpu_set_t)
+        assert os.sched_getaffinity(tid) == before
+        first = sorted(before)[0]
+        _set_affinity(tid, {first})
+        assert os.sched_getaffinity(tid) == {first}
+    finally:
+        stop.set()
+        thread.join(10)
 
 
 def test_the_policy_reaches_the_budget_s_helper_placement() -> None:
