@@ -375,6 +375,18 @@ async def test_a_release_that_fails_is_logged_and_the_context_still_leaves(
     await _assert_clean(world)
 
 
+async def test_a_malformed_release_is_refused_and_leaves_the_context_alone(world: World) -> None:
+    k1 = await _place("worker1", _array(3, 2))
+    async with dist_autograd.context() as context_id:
+        x = ag.tensor(_array(4, 3), requires_grad=True)
+        await rpc.rpc_async("worker1", dist_fns.linear, args=(k1, x))
+        with pytest.raises(rpc.RemoteError, match="release_graph is not a bool"):
+            await current_agent().call("worker1", RELEASE, (context_id, "yes"))
+        assert await rpc.rpc_async("worker1", dist_fns.has_context, args=(context_id,))
+    assert not await rpc.rpc_async("worker1", dist_fns.has_context, args=(context_id,))
+    await _assert_clean(world)
+
+
 async def test_concurrent_contexts_keep_their_gradients_apart(world: World) -> None:
     w0, w1 = _array(5, 4), _array(4, 2)
     k1 = await _place("worker1", w1)
@@ -459,6 +471,26 @@ async def test_retain_graph_keeps_the_graph_after_the_context(world: World) -> N
         await dist_autograd.backward(context_id, [loss], retain_graph=True)
     await h.sum().backward()  # the local part still has its saved tensors
     assert p0.grad is not None
+    await _assert_clean(world)
+
+
+@pytest.mark.parametrize("retain_graph", [False, True])
+async def test_retain_graph_decides_for_the_graph_on_every_worker(
+    world: World, retain_graph: bool
+) -> None:
+    x, w0, w1 = _array(2, 3), _array(3, 3), _array(3, 1)
+    k1 = await _place("worker1", w1)
+    p0 = ag.tensor(w0.copy(), requires_grad=True)
+    async with dist_autograd.context() as context_id:
+        h = (ag.tensor(x) @ p0).tanh()
+        loss = await rpc.rpc_async("worker1", dist_fns.kept_square_loss, args=(k1, h))
+        await dist_autograd.backward(context_id, [loss], retain_graph=retain_graph)
+    # worker1's part of the graph (its loss, kept there) after the context's release
+    error = await rpc.rpc_async("worker1", dist_fns.backward_kept, args=(k1,))
+    if retain_graph:
+        assert "second time" not in error  # its saved tensors are still there
+    else:
+        assert "backward through the graph a second time" in error
     await _assert_clean(world)
 
 

@@ -212,9 +212,9 @@ def backward(
     Gradients accumulate into the context on every worker that holds leaves
     (:func:`get_gradients`), never into ``.grad``. Returns when the passes on every worker
     involved have finished. Several backward passes in one context accumulate.
-    ``retain_graph=False`` frees the saved tensors of the context's graph when the context
-    is released (at the end of ``async with context()``), not at once: until then the graph
-    may still be traversed.
+    ``retain_graph=False`` frees the saved tensors of the context's graph, on every worker
+    it spans, when the context is released (at the end of ``async with context()``), not at
+    once: until then the graph may still be traversed.
 
     Raises:
         RuntimeError: unknown context; no roots; a root that does not require grad, is not
@@ -369,11 +369,11 @@ async def release_on(agent: RpcAgent, context: DistAutogradContext, skip: str | 
     """Release ``context`` on the workers it knows (but ``skip``), awaiting their acks."""
     with context.lock:
         workers = sorted(context.known_workers - {skip, agent.info.name})
+        release_graph = context.release_graph
     if not workers:
         return
-    results = await settle(
-        [agent.call(worker, RELEASE, (context.context_id,)) for worker in workers]
-    )
+    message = (context.context_id, release_graph)
+    results = await settle([agent.call(worker, RELEASE, message) for worker in workers])
     for worker, result in zip(workers, results, strict=True):
         if isinstance(result, BaseException):
             logger.warning(
@@ -385,11 +385,18 @@ async def release_on(agent: RpcAgent, context: DistAutogradContext, skip: str | 
             )
 
 
-async def _release_handler(src: WorkerInfo, context_id: int) -> None:
+async def _release_handler(src: WorkerInfo, context_id: int, release_graph: bool = False) -> None:
+    # ``release_graph``: a backward without retain_graph ran in the context (on its root):
+    # this worker's part of the graph frees its saved tensors too, as the root's does.
+    if not isinstance(release_graph, bool):
+        raise MalformedMessageError("malformed release request: release_graph is not a bool")
     agent = current_agent()
     context = container_of(agent).pop(context_id)
     if context is None:  # released already (reached through another worker)
         return
+    if release_graph:
+        with context.lock:
+            context.release_graph = True
     context.release()
     await release_on(agent, context, src.name)
 
