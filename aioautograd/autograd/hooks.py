@@ -26,6 +26,9 @@ class RemovableHandle:
         hooks = self._hooks_ref()
         if hooks is not None:
             hooks.pop(self.id, None)
+            owner = hooks.owner() if hooks.owner is not None else None
+            if owner is not None:
+                owner._refresh_plain()  # the engine's fast path again, if nothing else hooks it
 
     def __enter__(self) -> RemovableHandle:
         return self
@@ -35,6 +38,17 @@ class RemovableHandle:
 
 
 class HookDict(dict[int, Any]):
-    """An ordered hook container that handles can reference weakly (plain dicts cannot)."""
+    """An ordered hook container that handles can reference weakly (plain dicts cannot).
 
-    __slots__ = ("__weakref__",)
+    ``owner`` (held weakly: a node's hook dicts must not keep the graph alive): the node or
+    tensor whose hooks these are, told by ``RemovableHandle.remove`` (``_refresh_plain``) so
+    that a node whose last hook goes takes the engine's fast path again.
+    """
+
+    __slots__ = ("__weakref__", "owner")
+
+    def __init__(self, owner: Any = None) -> None:
+        super().__init__()
+        self.owner: weakref.ReferenceType[Any] | None = (
+            None if owner is None else weakref.ref(owner)
+        )

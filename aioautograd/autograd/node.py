@@ -13,7 +13,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, Final, NamedTuple
 
 from aioautograd.autograd.hooks import HookDict, RemovableHandle
 from aioautograd.grad_mode import _grad_enabled_get
@@ -31,6 +31,17 @@ Grads = list["Tensor | None"]
 _sequence_nr = itertools.count()
 # AccumulateGrad runs as soon as it is ready (PyTorch gives it UINT64_MAX).
 _ACCUMULATE_SEQUENCE_NR = sys.maxsize
+
+
+# ``Node._plain``: 0, PLAIN or INLINE. PLAIN: no hook of any kind (node pre- and
+# post-hooks, tensor hooks, retain_grad; for a leaf's node the leaf's hooks and
+# post-accumulate hooks), no stream, not async, so evaluate_function's hot path may run it.
+# INLINE: all that, and its class runs only library code (``Node.inline``), so inline
+# execution may take it. Kept current by every registration and removal
+# (``_refresh_plain``): the engine reads one slot per node instead of six attributes of
+# several node types at one site (reads CPython 3.11 does not specialize).
+PLAIN: Final = 1
+INLINE: Final = 2
 
 
 def next_sequence_nr() -> int:
@@ -51,6 +62,7 @@ class Node:
         "_lock",
         "_metadata",
         "_next_edges",
+        "_plain",
         "_post_hooks",
         "_pre_hooks",
         "_retains_grad_hooks",
@@ -67,9 +79,16 @@ class Node:
     # True for nodes that run no user code (built-in ops): the engine may run them inline
     # on the thread that awaits the backward (see engine/inline.py).
     inline: ClassVar[bool] = False
+    # ``_plain`` of a fresh node of this class (from ``is_async`` and ``inline``).
+    _plain_initial: ClassVar[int] = PLAIN
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._plain_initial = 0 if cls.is_async else INLINE if cls.inline else PLAIN
 
     def __init__(self, next_edges: tuple[Edge, ...] = (), sequence_nr: int | None = None) -> None:
         self._next_edges = next_edges
+        self._plain = self._plain_initial
         topo = 0
         for next_node, _ in next_edges:
             if next_node is not None and next_node.topological_nr >= topo:
@@ -129,14 +148,16 @@ class Node:
         ``grad_inputs`` are the gradients the node computed (for its forward inputs) and
         ``grad_outputs`` those it received. The hook may return replacement ``grad_inputs``.
         """
+        self._plain = 0  # before the hook is in: a node that runs now takes the hooked path
         if self._post_hooks is None:
-            self._post_hooks = HookDict()
+            self._post_hooks = HookDict(self)
         return RemovableHandle(self._post_hooks, hook)
 
     def register_prehook(self, hook: Callable[[tuple[Tensor | None, ...]], Any]) -> RemovableHandle:
         """Register ``hook(grad_outputs)`` run before the node; may return replacements."""
+        self._plain = 0
         if self._pre_hooks is None:
-            self._pre_hooks = HookDict()
+            self._pre_hooks = HookDict(self)
         return RemovableHandle(self._pre_hooks, hook)
 
     def __call__(self, *grads: Tensor | None) -> Any:
@@ -154,20 +175,44 @@ class Node:
     def release_variables(self) -> None:
         """Free saved tensors (called after backward unless ``retain_graph=True``)."""
 
+    def _hooked(self) -> bool:
+        """Whether a hook of any kind, or retain_grad, is registered on this node."""
+        tensor_hooks = self._tensor_pre_hooks
+        return bool(
+            self._pre_hooks
+            or self._post_hooks
+            or self._retains_grad_hooks
+            or (tensor_hooks and any(tensor_hooks.values()))
+        )
+
+    def _refresh_plain(self) -> None:
+        """Recompute ``_plain`` (after a hook's removal, or a stream's assignment)."""
+        if self.is_async or self._stream is not None or self._hooked():
+            self._plain = 0
+        else:
+            self._plain = INLINE if self.inline else PLAIN
+
     def _register_tensor_pre_hook(
         self, input_nr: int, hook: Callable[[Tensor], Tensor | None]
     ) -> RemovableHandle:
+        self._plain = 0
         if self._tensor_pre_hooks is None:
             self._tensor_pre_hooks = {}
         hooks = self._tensor_pre_hooks.get(input_nr)
         if hooks is None:
-            hooks = self._tensor_pre_hooks[input_nr] = HookDict()
+            hooks = self._tensor_pre_hooks[input_nr] = HookDict(self)
         return RemovableHandle(hooks, hook)
 
     def _set_retains_grad(self, input_nr: int, tensor: Tensor) -> None:
+        self._plain = 0
         if self._retains_grad_hooks is None:
             self._retains_grad_hooks = {}
         self._retains_grad_hooks[input_nr] = weakref.ref(tensor)
+
+    def _unset_retains_grad(self, input_nr: int) -> None:
+        if self._retains_grad_hooks:
+            self._retains_grad_hooks.pop(input_nr, None)
+            self._refresh_plain()
 
     def _add_input_metadata(self, tensor: Tensor) -> int:
         self._input_metadata.append((tensor.data.shape, tensor.data.dtype, tensor.device))
@@ -223,7 +268,9 @@ class AccumulateGrad(Node):
         self._lock = threading.Lock()
         self.variable = variable
         device = variable.device
-        self._stream = device.current_stream() if device.backend.has_streams else None
+        stream = self._stream = device.current_stream() if device.backend.has_streams else None
+        hooked = variable._backward_hooks or variable._post_accumulate_grad_hooks
+        self._plain = INLINE if stream is None and not hooked else 0
 
     @property
     def _input_metadata(self) -> list[InputMetadata]:
@@ -245,6 +292,15 @@ class AccumulateGrad(Node):
     @_tensor_pre_hooks.setter
     def _tensor_pre_hooks(self, value: dict[int, HookDict] | None) -> None:
         pass  # derived from the variable (nothing to store)
+
+    def _hooked(self) -> bool:
+        variable = self.variable
+        return bool(
+            self._pre_hooks
+            or self._post_hooks
+            or variable._backward_hooks
+            or variable._post_accumulate_grad_hooks
+        )
 
     def apply(self, grads: Grads) -> Sequence[Tensor | None]:
         grad = grads[0]

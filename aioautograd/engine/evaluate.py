@@ -110,16 +110,10 @@ def evaluate_function(task: NodeTask, device: Device, reuse: bool = False) -> Re
             graph_task.analyse()
         if task.outputs is not None:  # an async node finished on the loop
             outputs = _finish_outputs(graph_task, node, task.outputs, inputs)
-        elif graph_task.plain and not (
-            node._stream
-            or node.is_async
-            or node._tensor_pre_hooks
-            or node._retains_grad_hooks
-            or node._pre_hooks
-            or node._post_hooks
-        ):
-            # The hot path: a CPU node without hooks in a graph task without grad() outputs,
-            # leaf hook, anomaly mode or profiler (what _call_function does, minus the checks).
+        elif node._plain and graph_task.plain:
+            # The hot path: a CPU node without hooks (``Node._plain``) in a graph task without
+            # grad() outputs, leaf hook, anomaly mode or profiler (what _call_function does,
+            # minus the checks).
             task.inputs = _NO_INPUTS
             lock = node._lock
             lock.acquire()
