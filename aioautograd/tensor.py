@@ -106,7 +106,10 @@ class Tensor:
         return counter
 
     def _bump_version(self) -> None:
-        self._ensure_version_counter().value += 1
+        counter = self._version_counter
+        if counter is None:
+            counter = self._version_counter = VersionCounter()
+        counter.value += 1
 
     @property
     def _version(self) -> builtins.int:
@@ -821,10 +824,10 @@ class Tensor:
 
     # ------------------------------------------------------------------------ in-place
     def add_(self, other: Any, alpha: builtins.float = 1) -> Tensor:
-        return inplace.add_(self, other, alpha=alpha)
+        return inplace.add_(self, other, alpha)
 
     def sub_(self, other: Any, alpha: builtins.float = 1) -> Tensor:
-        return inplace.add_(self, other, alpha=-alpha)
+        return inplace.add_(self, other, -alpha)
 
     def mul_(self, other: Any) -> Tensor:
         return inplace.mul_(self, other)
