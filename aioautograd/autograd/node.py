@@ -56,18 +56,15 @@ class Node:
         topological_nr: length of the longest path from this node to a leaf.
     """
 
+    # The hooks, the stream and the flag are class-level defaults, set on an instance only
+    # when they change (a hook registered, a stream at forward): a node is made per op of
+    # every forward pass, and each attribute stored there costs (``chain_forward``).
     __slots__ = (
+        "__dict__",
         "__weakref__",
         "_input_metadata",
         "_lock",
-        "_metadata",
         "_next_edges",
-        "_plain",
-        "_post_hooks",
-        "_pre_hooks",
-        "_retains_grad_hooks",
-        "_stream",
-        "_tensor_pre_hooks",
         "sequence_nr",
         "topological_nr",
     )
@@ -79,16 +76,22 @@ class Node:
     # True for nodes that run no user code (built-in ops): the engine may run them inline
     # on the thread that awaits the backward (see engine/inline.py).
     inline: ClassVar[bool] = False
-    # ``_plain`` of a fresh node of this class (from ``is_async`` and ``inline``).
-    _plain_initial: ClassVar[int] = PLAIN
+    # 0, PLAIN or INLINE (see above): each class's own from ``is_async`` and ``inline``.
+    _plain: int = PLAIN
+    _pre_hooks: HookDict | None = None
+    _post_hooks: HookDict | None = None
+    _tensor_pre_hooks: dict[int, HookDict] | None = None
+    _retains_grad_hooks: dict[int, weakref.ReferenceType[Tensor]] | None = None
+    _metadata: dict[str, Any] | None = None
+    # The stream current at forward on an accelerator; backward runs on it.
+    _stream: Stream | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls._plain_initial = 0 if cls.is_async else INLINE if cls.inline else PLAIN
+        cls._plain = 0 if cls.is_async else INLINE if cls.inline else PLAIN
 
     def __init__(self, next_edges: tuple[Edge, ...] = (), sequence_nr: int | None = None) -> None:
         self._next_edges = next_edges
-        self._plain = self._plain_initial
         topo = 0
         for next_node, _ in next_edges:
             if next_node is not None and next_node.topological_nr >= topo:
@@ -96,13 +99,6 @@ class Node:
         self.topological_nr = topo
         self.sequence_nr = next(_sequence_nr) if sequence_nr is None else sequence_nr
         self._input_metadata: list[InputMetadata] = []
-        self._pre_hooks: HookDict | None = None
-        self._post_hooks: HookDict | None = None
-        self._tensor_pre_hooks: dict[int, HookDict] | None = None
-        self._retains_grad_hooks: dict[int, weakref.ReferenceType[Tensor]] | None = None
-        self._metadata: dict[str, Any] | None = None
-        # The stream current at forward on an accelerator; backward runs on it.
-        self._stream: Stream | None = None
         # The engine holds it while applying the node: never two graph tasks at once.
         self._lock = threading.Lock()
 
@@ -261,16 +257,17 @@ class AccumulateGrad(Node):
         self._next_edges = ()
         self.topological_nr = 0
         self.sequence_nr = _ACCUMULATE_SEQUENCE_NR
-        self._pre_hooks = None
-        self._post_hooks = None
-        self._retains_grad_hooks = None
-        self._metadata = None
         self._lock = threading.Lock()
         self.variable = variable
         device = variable.device
-        stream = self._stream = device.current_stream() if device.backend.has_streams else None
-        hooked = variable._backward_hooks or variable._post_accumulate_grad_hooks
-        self._plain = INLINE if stream is None and not hooked else 0
+        if device.backend.has_streams:
+            self._stream = device.current_stream()
+        if (
+            self._stream is not None
+            or variable._backward_hooks
+            or variable._post_accumulate_grad_hooks
+        ):
+            self._plain = 0
 
     @property
     def _input_metadata(self) -> list[InputMetadata]:
