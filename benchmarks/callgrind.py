@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
             if args.sim:
-                print(_simulated_line(result, nodes or 1), flush=True)
+                print(_simulated_line(result, (nodes or 1) * args.runs), flush=True)
             if args.json:
                 print(json.dumps(result), flush=True)
     return 0
