@@ -303,7 +303,6 @@ class Tensor:
             raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
         if self.grad_fn is not None:
             return self.grad_fn._register_tensor_pre_hook(self._output_nr, hook)
-        self._leaf_hooked()
         if self._backward_hooks is None:
             self._backward_hooks = HookDict(self)
         return RemovableHandle(self._backward_hooks, hook)
@@ -319,14 +318,14 @@ class Tensor:
             )
         if not self._requires_grad:
             raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
-        self._leaf_hooked()
         if self._post_accumulate_grad_hooks is None:
             self._post_accumulate_grad_hooks = HookDict(self)
         return RemovableHandle(self._post_accumulate_grad_hooks, hook)
 
-    def _leaf_hooked(self) -> None:
-        # Before the hook is in: the leaf's node, if it exists, leaves the engine's fast path
-        # (a new one reads the leaf's hooks as it is made).
+    def _clear_plain(self) -> None:
+        """(``HookDict``'s owner) A hook is being registered on this leaf: its node, if it
+        exists, leaves the engine's fast path (a new one reads the leaf's hooks as it is
+        made)."""
         ref = self._grad_accumulator
         acc = ref() if ref is not None else None
         if acc is not None:

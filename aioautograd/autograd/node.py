@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Final, NamedTuple
 
-from aioautograd.autograd.hooks import HookDict, RemovableHandle
+from aioautograd.autograd.hooks import HookDict, RemovableHandle, flag_lock
 from aioautograd.grad_mode import _grad_enabled_get
 
 if TYPE_CHECKING:
@@ -144,14 +144,12 @@ class Node:
         ``grad_inputs`` are the gradients the node computed (for its forward inputs) and
         ``grad_outputs`` those it received. The hook may return replacement ``grad_inputs``.
         """
-        self._plain = 0  # before the hook is in: a node that runs now takes the hooked path
         if self._post_hooks is None:
             self._post_hooks = HookDict(self)
         return RemovableHandle(self._post_hooks, hook)
 
     def register_prehook(self, hook: Callable[[tuple[Tensor | None, ...]], Any]) -> RemovableHandle:
         """Register ``hook(grad_outputs)`` run before the node; may return replacements."""
-        self._plain = 0
         if self._pre_hooks is None:
             self._pre_hooks = HookDict(self)
         return RemovableHandle(self._pre_hooks, hook)
@@ -181,6 +179,10 @@ class Node:
             or (tensor_hooks and any(tensor_hooks.values()))
         )
 
+    def _clear_plain(self) -> None:
+        """(``HookDict``'s owner) A hook is being registered: off the fast path."""
+        self._plain = 0
+
     def _refresh_plain(self) -> None:
         """Recompute ``_plain`` (after a hook's removal, or a stream's assignment)."""
         if self.is_async or self._stream is not None or self._hooked():
@@ -191,7 +193,6 @@ class Node:
     def _register_tensor_pre_hook(
         self, input_nr: int, hook: Callable[[Tensor], Tensor | None]
     ) -> RemovableHandle:
-        self._plain = 0
         if self._tensor_pre_hooks is None:
             self._tensor_pre_hooks = {}
         hooks = self._tensor_pre_hooks.get(input_nr)
@@ -200,15 +201,17 @@ class Node:
         return RemovableHandle(hooks, hook)
 
     def _set_retains_grad(self, input_nr: int, tensor: Tensor) -> None:
-        self._plain = 0
-        if self._retains_grad_hooks is None:
-            self._retains_grad_hooks = {}
-        self._retains_grad_hooks[input_nr] = weakref.ref(tensor)
+        with flag_lock:
+            self._plain = 0
+            if self._retains_grad_hooks is None:
+                self._retains_grad_hooks = {}
+            self._retains_grad_hooks[input_nr] = weakref.ref(tensor)
 
     def _unset_retains_grad(self, input_nr: int) -> None:
         if self._retains_grad_hooks:
-            self._retains_grad_hooks.pop(input_nr, None)
-            self._refresh_plain()
+            with flag_lock:
+                self._retains_grad_hooks.pop(input_nr, None)
+                self._refresh_plain()
 
     def _add_input_metadata(self, tensor: Tensor) -> int:
         self._input_metadata.append((tensor.data.shape, tensor.data.dtype, tensor.device))

@@ -196,3 +196,33 @@ async def test_the_flag_does_not_change_the_gradients_on_the_executors(
         grads.append((x.grad.data.tobytes(), w.grad.data.tobytes()))
     assert grads[0] == grads[1]
     assert hooked_path == ["SumBackward0"]
+
+
+def test_registrations_and_removals_from_several_threads_leave_the_flag_right() -> None:
+    # Each thread registers and removes hooks on one node, then keeps one hook: the node
+    # ends with hooks (not plain), and plain again once they are removed.
+    _, y, _ = _graph()
+    node = y.grad_fn
+    assert node is not None
+    kept: list[ag.RemovableHandle] = []
+    start = threading.Barrier(3)
+
+    def churn(prehook: bool) -> None:
+        register = node.register_prehook if prehook else y.register_hook
+        start.wait(timeout=10)
+        for _ in range(2000):
+            register(lambda grad: None).remove()
+        kept.append(register(lambda grad: None))
+
+    threads = [threading.Thread(target=churn, args=(prehook,)) for prehook in (True, False)]
+    for thread in threads:
+        thread.start()
+    start.wait(timeout=10)
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(kept) == 2
+    assert node._plain == 0
+    kept[0].remove()
+    assert node._plain == 0
+    kept[1].remove()
+    assert node._plain == INLINE
