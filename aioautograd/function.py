@@ -459,6 +459,7 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
             # As PyTorch: the node's stream is that of its outputs' device (where its
             # gradients arrive), current at forward; a copy to the CPU has none.
             node._stream = out_device.current_stream()
+            node._plain = 0
         if dtype.kind in "fc" and not (non_diff and any(out is n for n in non_diff)):
             out.grad_fn = node
             out._output_nr = output_nr
@@ -500,8 +501,8 @@ def _adopt_input(
             out._bump_version()
             if out._retains_grad:
                 old = out.grad_fn
-                if old is not None and old._retains_grad_hooks:
-                    old._retains_grad_hooks.pop(out._output_nr, None)
+                if old is not None:
+                    old._unset_retains_grad(out._output_nr)
                 node._set_retains_grad(output_nr, out)
             return out
     for arg in args:

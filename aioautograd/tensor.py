@@ -106,7 +106,10 @@ class Tensor:
         return counter
 
     def _bump_version(self) -> None:
-        self._ensure_version_counter().value += 1
+        counter = self._version_counter
+        if counter is None:
+            counter = self._version_counter = VersionCounter()
+        counter.value += 1
 
     @property
     def _version(self) -> builtins.int:
@@ -301,7 +304,7 @@ class Tensor:
         if self.grad_fn is not None:
             return self.grad_fn._register_tensor_pre_hook(self._output_nr, hook)
         if self._backward_hooks is None:
-            self._backward_hooks = HookDict()
+            self._backward_hooks = HookDict(self)
         return RemovableHandle(self._backward_hooks, hook)
 
     def register_post_accumulate_grad_hook(self, hook: Callable[[Tensor], None]) -> RemovableHandle:
@@ -316,8 +319,25 @@ class Tensor:
         if not self._requires_grad:
             raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
         if self._post_accumulate_grad_hooks is None:
-            self._post_accumulate_grad_hooks = HookDict()
+            self._post_accumulate_grad_hooks = HookDict(self)
         return RemovableHandle(self._post_accumulate_grad_hooks, hook)
+
+    def _clear_plain(self) -> None:
+        """(``HookDict``'s owner) A hook is being registered on this leaf: its node, if it
+        exists, leaves the engine's fast path (a new one reads the leaf's hooks as it is
+        made)."""
+        ref = self._grad_accumulator
+        acc = ref() if ref is not None else None
+        if acc is not None:
+            acc._plain = 0
+
+    def _refresh_plain(self) -> None:
+        """(``HookDict``'s owner) A hook of this leaf was removed: its node may take the
+        engine's fast path again."""
+        ref = self._grad_accumulator
+        acc = ref() if ref is not None else None
+        if acc is not None:
+            acc._refresh_plain()
 
     # ------------------------------------------------------------------------- backward
     def backward(
@@ -803,10 +823,10 @@ class Tensor:
 
     # ------------------------------------------------------------------------ in-place
     def add_(self, other: Any, alpha: builtins.float = 1) -> Tensor:
-        return inplace.add_(self, other, alpha=alpha)
+        return inplace.add_(self, other, alpha)
 
     def sub_(self, other: Any, alpha: builtins.float = 1) -> Tensor:
-        return inplace.add_(self, other, alpha=-alpha)
+        return inplace.add_(self, other, -alpha)
 
     def mul_(self, other: Any) -> Tensor:
         return inplace.mul_(self, other)

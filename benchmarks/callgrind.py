@@ -13,6 +13,7 @@ Usage::
     python benchmarks/callgrind.py chain                 # aioautograd, full size
     python benchmarks/callgrind.py chain fan small_mlp --impl aioautograd,autograd,mygrad
     python benchmarks/callgrind.py chain --size quick --repeats 3 --json
+    python benchmarks/callgrind.py small_mlp --inline-budget 10 --warmup 20 --runs 50
 
 Output: one line per workload and implementation with the instructions of ``run()`` per node
 (``nodes`` of the case: ops of a chain or a fan, not counting AccumulateGrad) or per step
@@ -29,6 +30,9 @@ differently under it: a worker would pause for the loop every few nodes instead 
 hundred, and an awaited backward would leave its inline budget after a few nodes. The default
 engine's ``gil_hold_s`` and ``inline_budget_s`` are therefore multiplied by ``--time-scale``
 (default 50) in the counted process, so that they fire about as often per node as natively.
+A scaled budget still runs out now and then on a loaded machine (the small MLP's count then
+spreads by ±7%, part of a backward handed to the executors): ``--inline-budget 10`` fixes it
+where the backward runs inline natively, so that before/after counts compare.
 """
 
 from __future__ import annotations
@@ -70,10 +74,25 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="counted repeats (median shown)")
     parser.add_argument("--warmup", type=int, default=2, help="uncounted repeats first")
     parser.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="run() calls per counted repeat (one prepare() for all: a step case such as small_mlp, "
+        "not a backward-only one), the count divided by them (a one-step case's "
+        "count then averages over steps: small_mlp's single steps differ by up to 5%%)",
+    )
+    parser.add_argument(
         "--time-scale",
         type=float,
         default=50.0,
         help="multiply the engine's gil_hold_s and inline_budget_s by this (callgrind's slowdown)",
+    )
+    parser.add_argument(
+        "--inline-budget",
+        type=float,
+        metavar="SECONDS",
+        help="fix the engine's inline_budget_s instead of scaling it: a budget that never runs "
+        "out (e.g. 10) makes a small backward's count repeatable (small_mlp runs inline natively)",
     )
     parser.add_argument("--json", action="store_true", help="print the raw counts as JSON too")
     parser.add_argument(
@@ -96,14 +115,19 @@ def _inner(args: argparse.Namespace) -> None:
     import aioautograd as ag
     from benchmarks.workloads import REGISTRY
 
-    if args.time_scale != 1.0:
+    if args.time_scale != 1.0 or args.inline_budget is not None:
         policy = ag.get_default_engine().policy
+        inline_budget_s = (
+            policy.inline_budget_s * args.time_scale
+            if args.inline_budget is None
+            else args.inline_budget
+        )
         ag.Engine.set_default_engine(
             ag.Engine(
                 dataclasses.replace(
                     policy,
                     gil_hold_s=policy.gil_hold_s * args.time_scale,
-                    inline_budget_s=policy.inline_budget_s * args.time_scale,
+                    inline_budget_s=inline_budget_s,
                 )
             )
         )
@@ -133,7 +157,8 @@ def _inner(args: argparse.Namespace) -> None:
         mark("prepare")
         gc.collect()
         mark("setup")
-        run()
+        for _ in range(args.runs):
+            run()
         mark("run")
     case.close()
     loop.close()
@@ -161,7 +186,9 @@ def count(workload: str, impl: str, args: argparse.Namespace) -> dict[str, Any]:
             f"--size={args.size}",
             f"--repeats={args.repeats}",
             f"--warmup={args.warmup}",
+            f"--runs={args.runs}",
             f"--time-scale={args.time_scale}",
+            *([] if args.inline_budget is None else [f"--inline-budget={args.inline_budget}"]),
             f"--inner={labels_file}",
         ]
         env = {**os.environ, **_ENV}
@@ -239,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             result = count(workload, impl_name, args)
             nodes = result["nodes"]
-            run = statistics.median(result["phases"]["run"])
+            run = statistics.median(result["phases"]["run"]) / args.runs
             prepare = statistics.median(result["phases"]["prepare"])
             if nodes:
                 print(
@@ -254,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
             if args.sim:
-                print(_simulated_line(result, nodes or 1), flush=True)
+                print(_simulated_line(result, (nodes or 1) * args.runs), flush=True)
             if args.json:
                 print(json.dumps(result), flush=True)
     return 0

@@ -13,9 +13,9 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, Final, NamedTuple
 
-from aioautograd.autograd.hooks import HookDict, RemovableHandle
+from aioautograd.autograd.hooks import HookDict, RemovableHandle, flag_lock
 from aioautograd.grad_mode import _grad_enabled_get
 
 if TYPE_CHECKING:
@@ -33,6 +33,17 @@ _sequence_nr = itertools.count()
 _ACCUMULATE_SEQUENCE_NR = sys.maxsize
 
 
+# ``Node._plain``: 0, PLAIN or INLINE. PLAIN: no hook of any kind (node pre- and
+# post-hooks, tensor hooks, retain_grad; for a leaf's node the leaf's hooks and
+# post-accumulate hooks), no stream, not async, so evaluate_function's hot path may run it.
+# INLINE: all that, and its class runs only library code (``Node.inline``), so inline
+# execution may take it. Kept current by every registration and removal
+# (``_refresh_plain``): the engine reads one slot per node instead of six attributes of
+# several node types at one site (reads CPython 3.11 does not specialize).
+PLAIN: Final = 1
+INLINE: Final = 2
+
+
 def next_sequence_nr() -> int:
     return next(_sequence_nr)
 
@@ -45,17 +56,15 @@ class Node:
         topological_nr: length of the longest path from this node to a leaf.
     """
 
+    # The hooks, the stream and the flag are class-level defaults, set on an instance only
+    # when they change (a hook registered, a stream at forward): a node is made per op of
+    # every forward pass, and each attribute stored there costs (``chain_forward``).
     __slots__ = (
+        "__dict__",
         "__weakref__",
         "_input_metadata",
         "_lock",
-        "_metadata",
         "_next_edges",
-        "_post_hooks",
-        "_pre_hooks",
-        "_retains_grad_hooks",
-        "_stream",
-        "_tensor_pre_hooks",
         "sequence_nr",
         "topological_nr",
     )
@@ -67,6 +76,19 @@ class Node:
     # True for nodes that run no user code (built-in ops): the engine may run them inline
     # on the thread that awaits the backward (see engine/inline.py).
     inline: ClassVar[bool] = False
+    # 0, PLAIN or INLINE (see above): each class's own from ``is_async`` and ``inline``.
+    _plain: int = PLAIN
+    _pre_hooks: HookDict | None = None
+    _post_hooks: HookDict | None = None
+    _tensor_pre_hooks: dict[int, HookDict] | None = None
+    _retains_grad_hooks: dict[int, weakref.ReferenceType[Tensor]] | None = None
+    _metadata: dict[str, Any] | None = None
+    # The stream current at forward on an accelerator; backward runs on it.
+    _stream: Stream | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._plain = 0 if cls.is_async else INLINE if cls.inline else PLAIN
 
     def __init__(self, next_edges: tuple[Edge, ...] = (), sequence_nr: int | None = None) -> None:
         self._next_edges = next_edges
@@ -77,13 +99,6 @@ class Node:
         self.topological_nr = topo
         self.sequence_nr = next(_sequence_nr) if sequence_nr is None else sequence_nr
         self._input_metadata: list[InputMetadata] = []
-        self._pre_hooks: HookDict | None = None
-        self._post_hooks: HookDict | None = None
-        self._tensor_pre_hooks: dict[int, HookDict] | None = None
-        self._retains_grad_hooks: dict[int, weakref.ReferenceType[Tensor]] | None = None
-        self._metadata: dict[str, Any] | None = None
-        # The stream current at forward on an accelerator; backward runs on it.
-        self._stream: Stream | None = None
         # The engine holds it while applying the node: never two graph tasks at once.
         self._lock = threading.Lock()
 
@@ -130,13 +145,13 @@ class Node:
         ``grad_outputs`` those it received. The hook may return replacement ``grad_inputs``.
         """
         if self._post_hooks is None:
-            self._post_hooks = HookDict()
+            self._post_hooks = HookDict(self)
         return RemovableHandle(self._post_hooks, hook)
 
     def register_prehook(self, hook: Callable[[tuple[Tensor | None, ...]], Any]) -> RemovableHandle:
         """Register ``hook(grad_outputs)`` run before the node; may return replacements."""
         if self._pre_hooks is None:
-            self._pre_hooks = HookDict()
+            self._pre_hooks = HookDict(self)
         return RemovableHandle(self._pre_hooks, hook)
 
     def __call__(self, *grads: Tensor | None) -> Any:
@@ -154,6 +169,27 @@ class Node:
     def release_variables(self) -> None:
         """Free saved tensors (called after backward unless ``retain_graph=True``)."""
 
+    def _hooked(self) -> bool:
+        """Whether a hook of any kind, or retain_grad, is registered on this node."""
+        tensor_hooks = self._tensor_pre_hooks
+        return bool(
+            self._pre_hooks
+            or self._post_hooks
+            or self._retains_grad_hooks
+            or (tensor_hooks and any(tensor_hooks.values()))
+        )
+
+    def _clear_plain(self) -> None:
+        """(``HookDict``'s owner) A hook is being registered: off the fast path."""
+        self._plain = 0
+
+    def _refresh_plain(self) -> None:
+        """Recompute ``_plain`` (after a hook's removal, or a stream's assignment)."""
+        if self.is_async or self._stream is not None or self._hooked():
+            self._plain = 0
+        else:
+            self._plain = INLINE if self.inline else PLAIN
+
     def _register_tensor_pre_hook(
         self, input_nr: int, hook: Callable[[Tensor], Tensor | None]
     ) -> RemovableHandle:
@@ -161,13 +197,21 @@ class Node:
             self._tensor_pre_hooks = {}
         hooks = self._tensor_pre_hooks.get(input_nr)
         if hooks is None:
-            hooks = self._tensor_pre_hooks[input_nr] = HookDict()
+            hooks = self._tensor_pre_hooks[input_nr] = HookDict(self)
         return RemovableHandle(hooks, hook)
 
     def _set_retains_grad(self, input_nr: int, tensor: Tensor) -> None:
-        if self._retains_grad_hooks is None:
-            self._retains_grad_hooks = {}
-        self._retains_grad_hooks[input_nr] = weakref.ref(tensor)
+        with flag_lock:
+            self._plain = 0
+            if self._retains_grad_hooks is None:
+                self._retains_grad_hooks = {}
+            self._retains_grad_hooks[input_nr] = weakref.ref(tensor)
+
+    def _unset_retains_grad(self, input_nr: int) -> None:
+        if self._retains_grad_hooks:
+            with flag_lock:
+                self._retains_grad_hooks.pop(input_nr, None)
+                self._refresh_plain()
 
     def _add_input_metadata(self, tensor: Tensor) -> int:
         self._input_metadata.append((tensor.data.shape, tensor.data.dtype, tensor.device))
@@ -216,14 +260,17 @@ class AccumulateGrad(Node):
         self._next_edges = ()
         self.topological_nr = 0
         self.sequence_nr = _ACCUMULATE_SEQUENCE_NR
-        self._pre_hooks = None
-        self._post_hooks = None
-        self._retains_grad_hooks = None
-        self._metadata = None
         self._lock = threading.Lock()
         self.variable = variable
         device = variable.device
-        self._stream = device.current_stream() if device.backend.has_streams else None
+        if device.backend.has_streams:
+            self._stream = device.current_stream()
+        if (
+            self._stream is not None
+            or variable._backward_hooks
+            or variable._post_accumulate_grad_hooks
+        ):
+            self._plain = 0
 
     @property
     def _input_metadata(self) -> list[InputMetadata]:
@@ -245,6 +292,15 @@ class AccumulateGrad(Node):
     @_tensor_pre_hooks.setter
     def _tensor_pre_hooks(self, value: dict[int, HookDict] | None) -> None:
         pass  # derived from the variable (nothing to store)
+
+    def _hooked(self) -> bool:
+        variable = self.variable
+        return bool(
+            self._pre_hooks
+            or self._post_hooks
+            or variable._backward_hooks
+            or variable._post_accumulate_grad_hooks
+        )
 
     def apply(self, grads: Grads) -> Sequence[Tensor | None]:
         grad = grads[0]

@@ -110,16 +110,10 @@ def evaluate_function(task: NodeTask, device: Device, reuse: bool = False) -> Re
             graph_task.analyse()
         if task.outputs is not None:  # an async node finished on the loop
             outputs = _finish_outputs(graph_task, node, task.outputs, inputs)
-        elif graph_task.plain and not (
-            node._stream
-            or node.is_async
-            or node._tensor_pre_hooks
-            or node._retains_grad_hooks
-            or node._pre_hooks
-            or node._post_hooks
-        ):
-            # The hot path: a CPU node without hooks in a graph task without grad() outputs,
-            # leaf hook, anomaly mode or profiler (what _call_function does, minus the checks).
+        elif node._plain and graph_task.plain:
+            # The hot path: a CPU node without hooks (``Node._plain``) in a graph task without
+            # grad() outputs, leaf hook, anomaly mode or profiler (what _call_function does,
+            # minus the checks).
             task.inputs = _NO_INPUTS
             lock = node._lock
             lock.acquire()
@@ -132,6 +126,8 @@ def evaluate_function(task: NodeTask, device: Device, reuse: bool = False) -> Re
             edges = node._next_edges
             if edges:
                 outputs = validated(edges, outputs, node)
+            # (a plain node has no stream: its gradients are produced on none)
+            return _make_ready(graph_task, node, outputs, task if reuse else None, None)
         else:
             task.inputs = _NO_INPUTS  # the buffer is ours now; AccumulateGrad may steal from it
             called = _call_function(graph_task, node, inputs, device)
@@ -139,7 +135,11 @@ def evaluate_function(task: NodeTask, device: Device, reuse: bool = False) -> Re
                 return None
             outputs = called
         return _make_ready(
-            graph_task, node, outputs, task if reuse and task.outputs is None else None
+            graph_task,
+            node,
+            outputs,
+            task if reuse and task.outputs is None else None,
+            node._stream,
         )
     except BaseException as exc:
         graph_task.set_error(exc, node, device, inputs)
@@ -291,14 +291,17 @@ def _check_nan(node: Node, outputs: Sequence[Tensor | None]) -> None:
 
 
 def _make_ready(
-    graph_task: GraphTask, node: Node, outputs: Sequence[Tensor | None], reuse: NodeTask | None
+    graph_task: GraphTask,
+    node: Node,
+    outputs: Sequence[Tensor | None],
+    reuse: NodeTask | None,
+    producer: Stream | None,
 ) -> Ready:
     """Dependency bookkeeping: fill input buffers and return the successors made ready: one
     task as it is (a chain's case: no list per node), several in a list, none as ``None``
     (``reuse``: a finished task to refill for the first successor made ready, saving an
-    allocation per node of a chain)."""
+    allocation per node of a chain; ``producer``: ``node``'s stream)."""
     exec_info = graph_task.exec_info
-    producer = node._stream
     made: NodeTask | None = None  # the first successor made ready
     more: list[NodeTask] | None = None  # all of them, once there are several
     lock = graph_task.lock

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy
 
-from aioautograd.autograd.node import AccumulateGrad
+from aioautograd.autograd.node import INLINE, AccumulateGrad
 from aioautograd.devices.device import CPU
 from aioautograd.engine.evaluate import evaluate_function
 from aioautograd.engine.input_buffer import buffer_device
@@ -31,31 +31,20 @@ from aioautograd.engine.policy import NUMPY_ERRORS
 from aioautograd.engine.ready_queue import NodeTask
 
 if TYPE_CHECKING:
+    from aioautograd.autograd.node import Node
     from aioautograd.engine.graph_task import GraphTask
 
 
 def qualifies(task: NodeTask, max_elements: int) -> bool:
     """Whether ``task`` may run inline: library code only, CPU, no user hooks, small."""
     node = task.node
-    if node._stream is not None or node._pre_hooks or node._post_hooks:
-        return False
-    if type(node) is AccumulateGrad:
-        # The leaf's hooks, read from it (the node's property builds a dict per call).
-        variable = node.variable
-        if variable._backward_hooks or variable._post_accumulate_grad_hooks:
-            return False
+    if node._plain != INLINE:  # (one slot read for the common case: see Node._plain)
+        verdict = _hooked_verdict(task, node)
+        if verdict is not None:
+            return verdict
+    elif type(node) is AccumulateGrad:
         grad = task.inputs[0]  # (a leaf's node has one input)
         return grad is None or (grad.device.type == "cpu" and grad.data.size <= max_elements)
-    tensor_hooks = node._tensor_pre_hooks
-    if tensor_hooks and any(tensor_hooks.values()):
-        return False
-    if not node.inline:  # (built-in ops' nodes are never async: not read for them)
-        # An async node's apply runs on the loop anyway: started from here, it skips the
-        # hand-over to an executor and back (two thread wake-ups); the graph task
-        # completes elsewhere.
-        return node.is_async and all(
-            grad is None or grad.device.type == "cpu" for grad in task.inputs
-        )
     size = 0
     for grad in task.inputs:
         if grad is not None:
@@ -69,6 +58,27 @@ def qualifies(task: NodeTask, max_elements: int) -> bool:
             else:
                 size += math.prod(next_node._input_metadata[input_nr][0])
     return size <= max_elements
+
+
+def _hooked_verdict(task: NodeTask, node: Node) -> bool | None:
+    """``qualifies`` for a node that is not plain library code (a hook, retain_grad, a
+    stream, an async apply, or a user Function): the answer, or None when only its size
+    decides (a built-in op's node whose only extra is retain_grad)."""
+    if node._plain or node._stream is not None or node._pre_hooks or node._post_hooks:
+        return False  # (plain but not INLINE: a user Function's node)
+    if type(node) is AccumulateGrad:  # the leaf has a hook or a post-accumulate hook
+        return False
+    tensor_hooks = node._tensor_pre_hooks
+    if tensor_hooks and any(tensor_hooks.values()):
+        return False
+    if not node.inline:
+        # An async node's apply runs on the loop anyway: started from here, it skips the
+        # hand-over to an executor and back (two thread wake-ups); the graph task
+        # completes elsewhere.
+        return node.is_async and all(
+            grad is None or grad.device.type == "cpu" for grad in task.inputs
+        )
+    return None
 
 
 def run_inline(graph_task: GraphTask, first: NodeTask, budget_s: float) -> bool:
@@ -91,7 +101,8 @@ def run_inline(graph_task: GraphTask, first: NodeTask, budget_s: float) -> bool:
     task: NodeTask | None = first
     with numpy.errstate(all=NUMPY_ERRORS):  # as on the executors: see policy.NUMPY_ERRORS
         while task is not None:
-            if task.node.is_async:
+            node = task.node
+            if not node._plain and node.is_async:
                 graph_task.expect_completion_elsewhere()  # its continuation finishes the pass
             # ``reuse``: nothing here holds ``task`` once evaluated (the heap entry is gone).
             made = evaluate_function(task, CPU, True)

@@ -68,6 +68,7 @@ class CopySlices(Node):
         super().__init__((base_edge, *others))
         self._add_input_metadata(base)
         self._stream = fn._stream
+        self._refresh_plain()
         self.base_shape = base.shape
         self.positions = positions
         self.fn = fn

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from aioautograd.function import _broadcast_error, check_inplace
-from aioautograd.grad_mode import _grad_enabled, is_grad_enabled
+from aioautograd.grad_mode import _grad_enabled_get, is_grad_enabled
 from aioautograd.ops._util import Op, as_tensor_like, device_operand
 from aioautograd.ops.unary import ThresholdBackward, _threshold_backward
 from aioautograd.tensor import Tensor
@@ -132,7 +132,7 @@ class ReluInplace(Op):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        if not _grad_enabled.get():  # the plain backward: on the arrays, as ``Relu``'s
+        if not _grad_enabled_get():  # the plain backward: on the arrays, as ``Relu``'s
             return _threshold_backward(grad, ctx.saved_arrays[0], reuse=True)
         (result,) = ctx.saved_tensors
         return ThresholdBackward.apply(grad, result)
@@ -169,14 +169,26 @@ class CopyInplace(Op):
 
 def add_(x: Tensor, other: Any, alpha: float = 1) -> Tensor:
     """``x += alpha * other`` in place."""
-    check_target(x, other)
-    if _grad_enabled.get() or not isinstance(other, Tensor):
+    if _grad_enabled_get() or not (isinstance(other, Tensor) and isinstance(x, Tensor)):
+        check_target(x, other)
         return AddInplace.apply(x, other, alpha)
     # Nothing to record (an optimizer's update, ``p.sub_(p.grad, alpha=lr)``): the op's
     # forward and the version bump that ``Function.apply`` would run, without its context.
+    # ``check_target`` under no_grad checks only that the memory is writeable: NumPy says so
+    # itself (a ValueError, as for shapes that do not broadcast), asked only then.
+    device = x.device
+    data = x.data
+    other_data = other.data
+    if alpha != 1:
+        fused = device.backend.fused
+        if fused is not None and fused.add_scaled_(data, other_data, alpha):
+            x._bump_version()
+            return x
+        other_data = other_data * alpha
     try:
-        _add_scaled(x, other, alpha)
+        device.xp.add(data, other_data, data)  # (out positional; ufuncs cast "same_kind")
     except ValueError as exc:
+        check_target(x, other)
         raise _broadcast_error(AddInplace, (x, other, alpha), exc) from exc
     x._bump_version()
     return x
