@@ -24,7 +24,9 @@ Who counts: engine workers while they run nodes (``enter``/``leave``, called by 
 executor per run of nodes), helper threads while they run a part of a product, and any other
 thread (a user's) for the duration of a large product it runs. An event loop's thread that
 runs a large product holds every core until its callback has returned to the loop and the
-loop has run the I/O and tasks that became ready meanwhile (see ``CpuBudget.matmul``).
+loop has run the I/O and tasks that became ready meanwhile (see ``CpuBudget.matmul``); while
+it runs Python in that time instead of a product, it keeps one core and lends the others to
+parked workers until its next product (``CpuBudget._lend``).
 """
 
 from __future__ import annotations
@@ -65,11 +67,12 @@ class _LoopHold:
     """The cores an event loop's thread holds while its current callback computes (see
     ``CpuBudget.matmul``)."""
 
-    __slots__ = ("budget", "hops", "units", "until")
+    __slots__ = ("budget", "hops", "lent", "units", "until")
 
     def __init__(self, budget: CpuBudget, units: int) -> None:
         self.budget = budget
         self.units = units  # counted against the budget; 0 once released
+        self.lent = False  # the loop runs Python: it counts one core, the rest are lent
         self.until = math.inf  # released at this time (perf_counter) unless renewed
         self.hops = 0  # loop iterations left before the release (``CpuBudget._release_hold``)
 
@@ -171,7 +174,10 @@ class CpuBudget:
         self.place_helpers = True  # see EnginePolicy.place_helpers
         self.loop_hold_s = 0.0  # see EnginePolicy.loop_hold_s
         self.hold_iterations = HOLD_ITERATIONS  # see EnginePolicy.loop_hold_iterations
+        self.lend_cores = LEND_AFTER_CALLBACK  # see EnginePolicy.loop_lends_cores
+        self.lent_slice_flops = 2.5e7  # see EnginePolicy.lent_slice_flops
         self._holds: list[_LoopHold] = []
+        self._lent = 0  # holds lending their cores now (``_lend``)
         self._no_split_until = 0.0
         self._starved = 0  # split products in a row whose helpers were late
         self._blas = _BlasThreads() if manage_blas else None
@@ -268,6 +274,13 @@ class CpuBudget:
                 loop.call_at(loop.time(), self._release_hold, hold, loop)
             else:
                 loop.call_soon(self._release_hold, hold, loop)
+        elif hold.lent:
+            # A product again: the lent cores come back (their workers are over the budget
+            # and park at their next node or slice, ``lent_slice_flops`` away).
+            hold.lent = False
+            self._lent -= 1
+            units, hold.units = hold.units, self.cores
+            self._count(self.cores - units)
         hold.until = math.inf  # not while it computes
         hold.hops = self.hold_iterations
         return hold
@@ -306,6 +319,8 @@ class CpuBudget:
                 return
             hold = self._take_hold(loop)
             hold.until = time.perf_counter() + self.loop_hold_s
+            if self.lend_cores:
+                self._lend(hold)  # the turn starts with Python (the optimizer step)
 
     def _release_hold(self, hold: _LoopHold, loop: Any) -> None:
         """(loop, a timer due at once) Release the hold once the loop has run the callbacks
@@ -320,13 +335,37 @@ class CpuBudget:
         if hold.units and hold.hops > 1:
             hold.hops -= 1
             loop.call_at(loop.time(), self._release_hold, hold, loop)
+            if self.lend_cores and not hold.lent:
+                with self._lock:
+                    self._lend(hold)  # the callback that computed has returned
             return
         with self._lock:
             self._drop_hold(hold)
 
+    def _lend(self, hold: _LoopHold) -> None:
+        """(lock held) The loop's thread runs Python now, not a product: it keeps its own
+        core and lends the others to parked workers until its next product takes them back
+        (``_take_hold``). A worker lent a core computes its products in slices of
+        ``lent_slice_flops`` (about 0.3 ms), so that it leaves within one slice when the
+        loop's next product starts.
+
+        Why: the hold parked every worker for the loop's whole turn (its optimizer step, the
+        forward pass's Python, the loop iterations after it): in ``concurrent`` (natural
+        code) a core was left free for 84 ms of a 300 ms run, most of it while the loop's
+        thread ran Python (benchmarks/README.md, sessions 25 and 26)."""
+        if hold.lent or hold.units <= 1:
+            return
+        hold.lent = True
+        self._lent += 1
+        units, hold.units = hold.units, 1
+        self._count(1 - units)
+
     def _drop_hold(self, hold: _LoopHold) -> None:
         # Called with the lock held.
         if hold.units:
+            if hold.lent:
+                hold.lent = False
+                self._lent -= 1
             units, hold.units = hold.units, 0
             self._holds.remove(hold)
             self._count(-units)
@@ -362,7 +401,7 @@ class CpuBudget:
         if active > self.peak:
             self.peak = active
         if delta < 0 and self._waiting:
-            self._slot_free.notify()
+            self._slot_free.notify(-delta)
 
     # ------------------------------------------------------------------- products
     def matmul(self, a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> Any:
@@ -438,8 +477,9 @@ class CpuBudget:
                 return self._split(a, b, helpers, pause=deferred)
             if deferred:
                 self.yield_point()
-            if counted and split_size >= 2 * CHUNK_ALIGN and flops >= 2 * self.slice_flops:
-                return self._sliced(a, b, int(flops // self.slice_flops))
+            slice_flops = self.lent_slice_flops if self._lent else self.slice_flops
+            if counted and split_size >= 2 * CHUNK_ALIGN and flops >= 2 * slice_flops:
+                return self._sliced(a, b, int(flops // slice_flops))
             return np.matmul(a, b)
         finally:
             with self._lock:
@@ -447,6 +487,8 @@ class CpuBudget:
                     self._blas.set(1)
                 if hold is not None:
                     hold.until = time.perf_counter() + self.loop_hold_s
+                    if self.lend_cores >= LEND_BETWEEN_PRODUCTS:
+                        self._lend(hold)
                 self._count(-(extra + (0 if counted or hold is not None else 1)))
                 self._idle_helpers.extend(helpers)
 
@@ -683,6 +725,12 @@ SPLIT_BACKOFF_S = 0.2
 # An event loop's hold on the cores lasts this many loop iterations after the callback that
 # computed (``CpuBudget._release_hold``; the default of ``EnginePolicy.loop_hold_iterations``).
 HOLD_ITERATIONS = 2
+# When an event loop's hold lends the cores it does not compute on (``CpuBudget._lend``):
+# never, at the turn's start and once the callback that computed has returned (the default
+# of ``EnginePolicy.loop_lends_cores``), or also between two products of one callback.
+LEND_NEVER = 0
+LEND_AFTER_CALLBACK = 1
+LEND_BETWEEN_PRODUCTS = 2
 # A coroutine's turn holds the cores (``CpuBudget.hold_for_turn``) only on a loop thread that
 # ran a product large enough to split this recently: a training step's forward pass.
 TURN_HOLD_MEMORY_S = 1.0
@@ -893,6 +941,8 @@ def configure(policy: Any, only_if_unset: bool = False) -> CpuBudget:
         budget.loop_hold_s = policy.loop_hold_s
         budget.place_helpers = policy.place_helpers
         budget.hold_iterations = policy.loop_hold_iterations
+        budget.lend_cores = LEND_AFTER_CALLBACK if policy.loop_lends_cores else LEND_NEVER
+        budget.lent_slice_flops = policy.lent_slice_flops
         if policy.manage_blas_threads and budget._blas is None:
             budget._blas = _BlasThreads()
             budget._user_blas_threads = budget._blas.get()

@@ -85,6 +85,16 @@ class EnginePolicy:
             both cores and the loop's thread waited for one to answer (aiohttp app, natural
             code: see benchmarks/README.md, session 24). 0: the hold ends as that callback
             returns.
+        loop_lends_cores: while the loop's hold has no product to compute (the turn's start,
+            where natural code runs its optimizer step, and the loop iterations after the
+            callback that computed), the loop's thread counts one core and lends the others
+            to parked workers; its next product takes them back, and a worker lent a core
+            leaves at its next node or slice of ``lent_slice_flops``. Without it the hold
+            parked every worker for the whole turn (``concurrent``, natural code: a core
+            left free for 84 ms of a 300 ms run, benchmarks/README.md session 26).
+        lent_slice_flops: a worker's product computed while a loop lends it a core is cut
+            in sequential slices of about this many operations (~0.3 ms on one core): the
+            longest the loop's next product waits for that core.
         worker_nice: CPU workers run this much below the process's priority (Linux). 0 by
             default: at +10 the workers lost most of their CPU to any other busy process
             (the aiohttp app under wrk load trained at 5 steps/s instead of 21), while the
@@ -128,6 +138,8 @@ class EnginePolicy:
     product_slice_flops: float = 1.0e8
     loop_hold_s: float = 0.001
     loop_hold_iterations: int = 2
+    loop_lends_cores: bool = True
+    lent_slice_flops: float = 2.5e7
     worker_nice: int = 0
     inline_budget_s: float = 0.0005
     inline_max_nodes: int = 256

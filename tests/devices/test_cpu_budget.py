@@ -19,6 +19,8 @@ import aioautograd as ag
 from aioautograd import nn, optim
 from aioautograd.devices.cpu_budget import (
     HOLD_ITERATIONS,
+    LEND_AFTER_CALLBACK,
+    LEND_NEVER,
     CpuBudget,
     _BlasThreads,
     _blocks_are_exact,
@@ -360,20 +362,24 @@ async def test_an_event_loop_holds_the_cores_until_its_callback_returns() -> Non
 
 
 @pytest.mark.timeout(30)
-async def test_the_hold_covers_a_request_that_arrived_while_the_loop_computed() -> None:
+@pytest.mark.parametrize(("lend", "held"), [(LEND_NEVER, 2), (LEND_AFTER_CALLBACK, 1)])
+async def test_the_hold_covers_a_request_that_arrived_while_the_loop_computed(
+    lend: int, held: int
+) -> None:
     # A server's request read while a forward pass ran on the loop: its reader callback runs
     # in the next iteration and the handler it wakes in the one after; the workers (the
-    # backward pass just started) stay off the cores until then, or the loop's thread waits
-    # for a core to answer.
+    # backward pass just started) stay off the loop's core until then (off every core unless
+    # the hold lends the others), or the loop's thread waits for a core to answer.
     budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
     budget.loop_hold_s = 10.0
+    budget.lend_cores = lend
     ours, theirs = socket.socketpair()
     reader, writer = await asyncio.open_connection(sock=ours)
     answered: list[tuple[bytes, int]] = []
 
     async def handler() -> None:
         request = await reader.readexactly(7)
-        answered.append((request, budget.active))
+        answered.append((request, budget.active, len(budget._holds)))
 
     task = asyncio.ensure_future(handler())
     try:
@@ -382,7 +388,7 @@ async def test_the_hold_covers_a_request_that_arrived_while_the_loop_computed() 
         budget.matmul(a, a.T)  # the forward pass's product: the loop holds the cores
         theirs.sendall(b"GET /ok")  # the request arrives while the loop computes
         await asyncio.wait_for(task, 5)
-        assert answered == [(b"GET /ok", 2)]  # answered under the hold
+        assert answered == [(b"GET /ok", held, 1)]  # answered under the hold
         await _hold_released()
         assert budget.active == 0
     finally:
@@ -553,9 +559,11 @@ def test_a_worker_pauses_once_its_helper_has_the_chunks() -> None:
 
 
 @pytest.mark.timeout(30)
-async def test_a_turn_holds_the_cores_only_while_workers_compute() -> None:
+@pytest.mark.parametrize(("lend", "held"), [(LEND_NEVER, 2), (LEND_AFTER_CALLBACK, 1)])
+async def test_a_turn_holds_the_cores_only_while_workers_compute(lend: int, held: int) -> None:
     budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
     budget.loop_hold_s = 10.0
+    budget.lend_cores = lend
     loop = asyncio.get_running_loop()
     rng = np.random.default_rng(0)
     a = rng.standard_normal((256, 128)).astype(np.float32)
@@ -568,7 +576,9 @@ async def test_a_turn_holds_the_cores_only_while_workers_compute() -> None:
     budget.enter()  # a worker computes (this thread stands in for it)
     try:
         budget.hold_for_turn(loop)
-        assert budget.active == 3  # the worker is over the budget: it parks at its next node
+        # Every core, or the loop's own one while it runs Python (lending the rest): the
+        # worker and a second one are over the budget either way.
+        assert budget.active == 1 + held
         events: list[str] = []
         thread = _start_worker(budget, events)
         thread.join(0.05)  # still in this callback: a second worker waits for a core
@@ -588,6 +598,7 @@ async def test_a_turn_holds_the_cores_from_a_worker_woken_but_not_yet_counted() 
     # worker computes through it.
     budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
     budget.loop_hold_s = 10.0
+    budget.lend_cores = LEND_NEVER  # (lent, the turn's hold would let the worker in)
     loop = asyncio.get_running_loop()
     rng = np.random.default_rng(2)
     a = rng.standard_normal((256, 128)).astype(np.float32)
