@@ -844,38 +844,26 @@ class _Helper:
             del job
 
 
-def _load_sched_getcpu() -> Callable[[], int] | None:
-    """glibc's ``sched_getcpu`` (the CPU the calling thread runs on; ~0.5 µs through
-    ctypes), or None where there is none to ask (not Linux, no C library found)."""
+def _libc_function(name: str, restype: Any, argtypes: list[Any]) -> Any:
+    """glibc's ``name`` through ctypes (called without the GIL), or None where there is
+    none to ask (not Linux, no C library found)."""
     if not sys.platform.startswith("linux") or not hasattr(os, "sched_setaffinity"):
         return None
     try:
-        function = ctypes.CDLL(None, use_errno=True).sched_getcpu
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    function.restype = ctypes.c_int
-    function.argtypes = []
+    function.restype = restype
+    function.argtypes = argtypes
     return function
 
 
-_sched_getcpu = _load_sched_getcpu()
-
-
-def _load_sched_setaffinity() -> Any:
-    """glibc's ``sched_setaffinity`` through ctypes, which calls it without the GIL (None
-    where there is none: not Linux, no C library found)."""
-    if _sched_getcpu is None:
-        return None
-    try:
-        function = ctypes.CDLL(None, use_errno=True).sched_setaffinity
-    except (OSError, AttributeError):
-        return None
-    function.restype = ctypes.c_int
-    function.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p]
-    return function
-
-
-_sched_setaffinity = _load_sched_setaffinity()
+# The CPU the calling thread runs on (~0.5 µs through ctypes).
+_sched_getcpu: Callable[[], int] | None = _libc_function("sched_getcpu", ctypes.c_int, [])
+# A thread's affinity, set without holding the GIL (``_set_affinity``).
+_sched_setaffinity = _libc_function(
+    "sched_setaffinity", ctypes.c_int, [ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p]
+)
 _MASK_WORD_BITS = 8 * ctypes.sizeof(ctypes.c_ulong)
 
 

@@ -118,12 +118,9 @@ def cpu_demand_ns(thread: threading.Thread) -> int | None:
     or ``None``. From ``schedstat`` where the kernel keeps it; else the CPU time alone, in
     clock ticks (10 ms steps)."""
     task = f"/proc/self/task/{thread.native_id}"
-    try:
-        with open(f"{task}/schedstat", "rb") as stat:
-            on_cpu, waiting = stat.read().split()[:2]
+    with contextlib.suppress(OSError, ValueError), open(f"{task}/schedstat", "rb") as stat:
+        on_cpu, waiting = stat.read().split()[:2]
         return int(on_cpu) + int(waiting)
-    except (OSError, ValueError):
-        pass
     try:
         with open(f"{task}/stat", "rb") as stat:
             fields = stat.read().rsplit(b")", 1)[1].split()
