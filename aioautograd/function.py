@@ -254,6 +254,9 @@ class Function:
     # Whether the backward runs only library code (built-in ops), so that the engine may
     # run the node inline on the awaiting thread; user Functions run on the executors.
     _inline_backward: ClassVar[bool] = False
+    # A built-in op whose backward is matrix products: per argument, the axis its products
+    # contract (``Node._product_axes``), so that inline execution prices the node by flops.
+    _product_axes: ClassVar[tuple[int | None, ...] | None] = None
     # Which arguments get a ``next_functions`` edge. "tensors" (PyTorch's rule for custom
     # Functions): every tensor. Built-in ops: "differentiable", floating point tensors only
     # (an index or a mask is not differentiable), or "operands", those and the non-tensor
@@ -264,7 +267,11 @@ class Function:
         super().__init_subclass__(**kwargs)
         is_async = inspect.iscoroutinefunction(inspect.unwrap(cls.backward))
         base = AsyncBackwardCFunction if is_async else BackwardCFunction
-        attrs = {"_forward_cls": cls, "inline": cls._inline_backward and not is_async}
+        attrs = {
+            "_forward_cls": cls,
+            "inline": cls._inline_backward and not is_async,
+            "_product_axes": cls._product_axes,
+        }
         name = cls.__name__ + cls._node_suffix
         cls._backward_cls = type(name, (base,), attrs)
         cls._tensor_args_backward_cls = None  # made on first use

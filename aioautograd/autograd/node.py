@@ -33,15 +33,18 @@ _sequence_nr = itertools.count()
 _ACCUMULATE_SEQUENCE_NR = sys.maxsize
 
 
-# ``Node._plain``: 0, PLAIN or INLINE. PLAIN: no hook of any kind (node pre- and
+# ``Node._plain``: 0, PLAIN, INLINE or PRODUCT. PLAIN: no hook of any kind (node pre- and
 # post-hooks, tensor hooks, retain_grad; for a leaf's node the leaf's hooks and
 # post-accumulate hooks), no stream, not async, so evaluate_function's hot path may run it.
 # INLINE: all that, and its class runs only library code (``Node.inline``), so inline
-# execution may take it. Kept current by every registration and removal
-# (``_refresh_plain``): the engine reads one slot per node instead of six attributes of
-# several node types at one site (reads CPython 3.11 does not specialize).
+# execution may take it, priced by its gradients' elements. PRODUCT: INLINE, but its
+# backward is matrix products (``Node._product_axes``), priced by their flops. Kept current
+# by every registration and removal (``_refresh_plain``): the engine reads one slot per
+# node instead of six attributes of several node types at one site (reads CPython 3.11 does
+# not specialize).
 PLAIN: Final = 1
 INLINE: Final = 2
+PRODUCT: Final = 3
 
 
 def next_sequence_nr() -> int:
@@ -76,7 +79,13 @@ class Node:
     # True for nodes that run no user code (built-in ops): the engine may run them inline
     # on the thread that awaits the backward (see engine/inline.py).
     inline: ClassVar[bool] = False
-    # 0, PLAIN or INLINE (see above): each class's own from ``is_async`` and ``inline``.
+    # For a node whose backward is matrix products (matmul, linear), one entry per forward
+    # argument: the axis of that argument's shape that the products contract (a 1-D
+    # operand's only axis when it has no such axis), None for an argument whose gradient
+    # is no product. Inline execution prices such a node by its flops (engine/inline.py).
+    _product_axes: ClassVar[tuple[int | None, ...] | None] = None
+    # 0, PLAIN, INLINE or PRODUCT (see above): each class's own from ``is_async``,
+    # ``inline`` and ``_product_axes``; an instance's only while a hook or stream is set.
     _plain: int = PLAIN
     _pre_hooks: HookDict | None = None
     _post_hooks: HookDict | None = None
@@ -88,7 +97,12 @@ class Node:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls._plain = 0 if cls.is_async else INLINE if cls.inline else PLAIN
+        if cls.is_async:
+            cls._plain = 0
+        elif cls.inline:
+            cls._plain = INLINE if cls._product_axes is None else PRODUCT
+        else:
+            cls._plain = PLAIN
 
     def __init__(self, next_edges: tuple[Edge, ...] = (), sequence_nr: int | None = None) -> None:
         self._next_edges = next_edges
@@ -188,7 +202,7 @@ class Node:
         if self.is_async or self._stream is not None or self._hooked():
             self._plain = 0
         else:
-            self._plain = INLINE if self.inline else PLAIN
+            self._plain = type(self)._plain  # (the class's own: see __init_subclass__)
 
     def _register_tensor_pre_hook(
         self, input_nr: int, hook: Callable[[Tensor], Tensor | None]

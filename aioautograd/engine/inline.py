@@ -5,13 +5,16 @@ Handing a graph task to an executor thread and waking the event loop when it is 
 two thread wake-ups (about 40 µs each on a small VM), more than a dozen small nodes take to
 run (the small MLP step: 352 µs inline, 643 µs on the executors). So ``GraphTask.run`` first
 runs CPU nodes itself, on the event loop's thread, while they are cheap: nodes of built-in
-ops (``Node.inline``) without user hooks, whose gradients are small (the policy's
-``inline_max_elements``), in a graph of at most ``inline_max_nodes`` nodes, within the
-policy's ``inline_budget_s`` (the loop's latency budget; 0 keeps all tensor math off the
-loop). The first node that does not qualify, or the budget running out, hands every task
-left to the executors, and the coroutine then awaits as usual. The loop is therefore never
-blocked for longer than the budget plus one small node, and a large backward runs on the
-executors from its first node.
+ops (``Node.inline``) without user hooks, in a graph of at most ``inline_max_nodes`` nodes,
+within the policy's ``inline_budget_s`` (the loop's latency budget; 0 keeps all tensor math
+off the loop). A node's cost is predicted from its shapes: an element-wise node's by the
+elements of the gradients it reads and writes (``inline_max_elements``), a matrix product's
+(``Node._product_axes``: matmul, linear) also by its flops (``inline_max_flops``), so that
+a 600x64 layer's backward runs here while the ``mlp`` step's products stay on the
+executors. The first node that does not qualify, or the budget running out, hands
+every task left to the executors, and the coroutine then awaits as usual. The loop is
+therefore never blocked for longer than the budget plus one small node, and a large
+backward runs on the executors from its first node.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import numpy
 
-from aioautograd.autograd.node import INLINE, AccumulateGrad
+from aioautograd.autograd.node import INLINE, PRODUCT, AccumulateGrad
 from aioautograd.devices.device import CPU
 from aioautograd.engine.evaluate import evaluate_function
 from aioautograd.engine.input_buffer import buffer_device
@@ -35,13 +38,17 @@ if TYPE_CHECKING:
     from aioautograd.engine.graph_task import GraphTask
 
 
-def qualifies(task: NodeTask, max_elements: int) -> bool:
+def qualifies(task: NodeTask, max_elements: int, max_flops: float) -> bool:
     """Whether ``task`` may run inline: library code only, CPU, no user hooks, small."""
     node = task.node
     if node._plain != INLINE:  # (one slot read for the common case: see Node._plain)
+        if node._plain == PRODUCT:
+            return _product_qualifies(task, node, max_elements, max_flops)
         verdict = _hooked_verdict(task, node)
         if verdict is not None:
             return verdict
+        if type(node)._plain == PRODUCT:  # (a product's node whose only extra is retain_grad)
+            return _product_qualifies(task, node, max_elements, max_flops)
     elif type(node) is AccumulateGrad:
         grad = task.inputs[0]  # (a leaf's node has one input)
         return grad is None or (grad.device.type == "cpu" and grad.data.size <= max_elements)
@@ -58,6 +65,71 @@ def qualifies(task: NodeTask, max_elements: int) -> bool:
             else:
                 size += math.prod(next_node._input_metadata[input_nr][0])
     return size <= max_elements
+
+
+def _product_qualifies(task: NodeTask, node: Node, max_elements: int, max_flops: float) -> bool:
+    """``qualifies`` for a node whose backward is matrix products (``Node._product_axes``):
+    its gradients' elements, and the flops of its products (``_product_flops``) counted as
+    float32 operations."""
+    grad = task.inputs[0]  # (a product's node has one input: its result's gradient)
+    if grad is None:
+        return True  # nothing to compute (a built-in op's node returns no gradient)
+    if grad.device.type != "cpu":
+        return False
+    data = grad.data
+    grad_size: int = data.size
+    size = grad_size
+    for next_node, input_nr in node._next_edges:
+        if next_node is not None:
+            if type(next_node) is AccumulateGrad:
+                size += next_node.variable.data.size
+            else:
+                size += math.prod(next_node._input_metadata[input_nr][0])
+    if size > max_elements:
+        return False
+    cost = _FLOP_COST.get(data.dtype.char, _NO_BLAS_FLOP_COST)
+    # A contracted size is at most its operand's size: this bound settles small products
+    # (a small MLP's) without reading the shapes.
+    if 2 * grad_size * (size - grad_size) * cost <= max_flops:
+        return True
+    return _product_flops(node, grad_size) * cost <= max_flops
+
+
+def _product_flops(node: Node, grad_size: int) -> int:
+    """The flops of a product node's backward: each operand gradient it computes is one
+    product of ``2 * |grad| * k`` flops, ``k`` the contracted size read from the operand's
+    shape: ``grad @ b.mT`` and ``a.mT @ grad`` for ``a @ b`` (batch dimensions included,
+    broadcast ones too: they are summed after the product), ``grad @ weight`` and
+    ``grad.mT @ input`` for ``linear``."""
+    axes = node._product_axes
+    assert axes is not None
+    edges = node._next_edges
+    # A node with edges for some arguments only names each edge's argument (function.py).
+    edge_args: tuple[int, ...] | None = (
+        None if len(edges) == len(axes) else getattr(node, "_edge_args")  # noqa: B009
+    )
+    contracted = 0
+    index = -1  # (a counter, not enumerate or zip: nothing allocated per node)
+    for next_node, input_nr in edges:
+        index += 1
+        axis = axes[index if edge_args is None else edge_args[index]]
+        if next_node is None or axis is None:
+            continue  # no gradient wanted, or not a product (a bias's sum)
+        if type(next_node) is AccumulateGrad:
+            shape = next_node.variable.data.shape
+        else:
+            shape = next_node._input_metadata[input_nr][0]
+        if shape:
+            contracted += shape[axis if len(shape) >= -axis else 0]
+    return 2 * grad_size * contracted
+
+
+# What one floating-point operation of a NumPy matrix product costs in float32 operations,
+# by dtype (OpenBLAS on one core of the VM of benchmarks/README.md, session 27: float64 ran
+# at half float32's rate, complex64 at ~3.3x its time, complex128 ~7x); a dtype without a
+# BLAS kernel (float16, longdouble: NumPy's own loops) ran ~250x slower.
+_FLOP_COST: Final = {"f": 1.0, "d": 2.0, "F": 4.0, "D": 8.0}  # by ``dtype.char``
+_NO_BLAS_FLOP_COST: Final = 256.0
 
 
 def _hooked_verdict(task: NodeTask, node: Node) -> bool | None:
@@ -91,7 +163,10 @@ def run_inline(graph_task: GraphTask, first: NodeTask, budget_s: float) -> bool:
     engine = graph_task.engine
     policy = engine.policy
     max_elements = policy.inline_max_elements
-    if not qualifies(first, max_elements) or not graph_task.analyse(policy.inline_max_nodes):
+    max_flops = policy.inline_max_flops
+    if not qualifies(first, max_elements, max_flops) or not graph_task.analyse(
+        policy.inline_max_nodes
+    ):
         graph_task.expect_completion_elsewhere()
         engine.push(first, buffer_device(first.inputs))
         return False
@@ -128,7 +203,7 @@ def run_inline(graph_task: GraphTask, first: NodeTask, budget_s: float) -> bool:
                 if not heap:
                     break
                 task = heapq.heappop(heap)[2]
-            if time.perf_counter() > deadline or not qualifies(task, max_elements):
+            if time.perf_counter() > deadline or not qualifies(task, max_elements, max_flops):
                 pushed += 1
                 heapq.heappush(heap, (-task.key, pushed, task))
                 break

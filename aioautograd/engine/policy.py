@@ -107,7 +107,16 @@ class EnginePolicy:
         inline_max_nodes: graphs with more nodes never start inline (walking them alone
             would approach the budget).
         inline_max_elements: a node runs inline only if the gradients it reads and writes
-            have at most this many elements (keeps matrix products off the loop).
+            have at most this many elements: element-wise nodes of 131,072 float32 elements
+            took 20-110 µs on the 2-vCPU VM (``benchmarks/README.md``, session 27).
+        inline_max_flops: a node whose backward is matrix products (``matmul``, ``linear``)
+            runs inline only if they take at most this many floating-point operations,
+            counted as float32 ones (a float64 one counts 2, a complex128 one 8, one in a
+            dtype without a BLAS kernel such as float16 256): 1.2e7 is ~0.2 ms on one core
+            of that VM, so the loop is held at most the budget plus one such node. It lets
+            the model-parallel step's 600x64 ``linear`` backward (9.8 MFLOP) and the
+            element-wise nodes around it run on the loop instead of paying two thread
+            hand-offs per pass on each worker (``model_parallel``).
         gil_hold_s: a worker lets other threads take the GIL, and a core, after running
             this long (checked after every node, and before every large product and between
             the slices of one): CPython's switch interval is 5 ms, and with every core busy
@@ -143,7 +152,8 @@ class EnginePolicy:
     worker_nice: int = 0
     inline_budget_s: float = 0.0005
     inline_max_nodes: int = 256
-    inline_max_elements: int = 1 << 16
+    inline_max_elements: int = 1 << 17
+    inline_max_flops: float = 1.2e7
     gil_hold_s: float = 0.001
     gil_pause_s: float = 0.00002
     gil_pause_always: bool = False

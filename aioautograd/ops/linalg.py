@@ -15,6 +15,9 @@ from aioautograd.tensor import Tensor
 
 
 class MatMul(Op):
+    # Both gradients contract the inner dimension: ``a``'s last axis, ``b``'s second last.
+    _product_axes = (-1, -2)
+
     @staticmethod
     def forward(ctx: Any, a: Tensor, b: Tensor) -> Tensor:
         a_data, b_data, device = binary_operands(a, b)
@@ -71,6 +74,9 @@ class LinearFunction(Op):
     """``input @ weight.T + bias`` as one node: its backward computes the weight gradient
     as ``grad.T @ input``, contiguous in the weight's layout (no transposed copy in
     ``AccumulateGrad``), with leading input dimensions folded into one product."""
+
+    # The input and weight gradients contract ``in_features``; the bias's is a sum.
+    _product_axes = (-1, -1, None)
 
     @staticmethod
     def forward(ctx: Any, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

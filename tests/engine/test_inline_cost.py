@@ -1,0 +1,240 @@
+"""The inline decision's per-node cost: element-wise nodes by their gradients' elements,
+matrix products (matmul, linear) also by their flops, predicted from the shapes and held
+equal to the flops of the products the node runs."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aioautograd as ag
+import aioautograd.nn.functional as F
+from aioautograd.autograd.node import PRODUCT, Node
+from aioautograd.devices.cpu_budget import cpu_budget
+from aioautograd.engine import EnginePolicy, get_default_engine
+from aioautograd.engine.inline import qualifies
+from aioautograd.engine.ready_queue import NodeTask
+from aioautograd.profiler import profile
+
+UNBOUNDED = 1 << 40  # a limit that never decides
+
+
+@pytest.fixture(autouse=True)
+def generous_budget() -> Iterator[None]:
+    """A budget that does not run out: what is checked is which nodes qualify, not how fast
+    a loaded machine runs them."""
+    engine = get_default_engine()
+    saved = engine.inline_budget_s
+    engine.inline_budget_s = 1.0
+    yield
+    engine.inline_budget_s = saved
+
+
+def _task(out: ag.Tensor) -> NodeTask:
+    """The task that would run ``out``'s node with a gradient of ones."""
+    graph_task: Any = SimpleNamespace(depth_key=0)  # (NodeTask reads only its depth key)
+    return NodeTask(graph_task, out.grad_fn, [ag.ones(out.shape, dtype=out.dtype)])
+
+
+def _measured_flops(node: Node, grad: ag.Tensor, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The floating-point operations of the matrix products ``node``'s backward runs."""
+    budget = cpu_budget()
+    product = budget.matmul
+    flops = 0
+
+    def counted(a: Any, b: Any) -> Any:
+        nonlocal flops
+        out = product(a, b)
+        flops += 2 * max(out.size, 1) * a.shape[-1]
+        return out
+
+    monkeypatch.setattr(budget, "matmul", counted)
+    with ag.no_grad():
+        node.apply([grad])
+    monkeypatch.undo()
+    return flops
+
+
+def _randn(shape: tuple[int, ...], dtype: str, grad: bool) -> ag.Tensor:
+    return ag.randn(*shape, dtype=dtype, requires_grad=grad)
+
+
+PRODUCTS: dict[str, Callable[[str], ag.Tensor]] = {
+    "matmul": lambda dt: _randn((600, 64), dt, True) @ _randn((64, 64), dt, True),
+    "matmul, b only": lambda dt: _randn((60, 7), dt, False) @ _randn((7, 9), dt, True),
+    "matmul, a only": lambda dt: _randn((60, 7), dt, True) @ _randn((7, 9), dt, False),
+    "batched": lambda dt: _randn((4, 6, 7), dt, True) @ _randn((4, 7, 5), dt, True),
+    "broadcast b": lambda dt: _randn((4, 6, 7), dt, True) @ _randn((7, 5), dt, True),
+    "broadcast batch": lambda dt: _randn((2, 3, 6, 7), dt, True) @ _randn((2, 1, 7, 5), dt, True),
+    "integer a": lambda dt: ag.tensor(np.arange(42).reshape(6, 7)) @ _randn((7, 5), dt, True),
+    "1-D a": lambda dt: _randn((7,), dt, True) @ _randn((7, 5), dt, True),
+    "1-D b": lambda dt: _randn((3, 6, 7), dt, True) @ _randn((7,), dt, True),
+    "linear": lambda dt: F.linear(
+        _randn((600, 64), dt, True), _randn((64, 64), dt, True), _randn((64,), dt, True)
+    ),
+    "linear, no bias": lambda dt: F.linear(_randn((5, 6, 7), dt, True), _randn((3, 7), dt, True)),
+    "linear, data input": lambda dt: F.linear(
+        _randn((600, 2), dt, False), _randn((64, 2), dt, True), _randn((64,), dt, True)
+    ),
+    "linear, frozen weight": lambda dt: F.linear(
+        _randn((30, 8), dt, True), _randn((5, 8), dt, False), _randn((5,), dt, True)
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", list(PRODUCTS))
+def test_a_products_predicted_flops_are_the_flops_it_runs(
+    case: str, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = PRODUCTS[case](dtype)
+    assert out.grad_fn._plain == PRODUCT, out.grad_fn
+    task = _task(out)
+    flops = _measured_flops(out.grad_fn, task.inputs[0], monkeypatch)  # type: ignore[arg-type]
+    assert flops > 0
+    cost = flops * (1 if out.data.dtype == np.float32 else 2)  # in float32 operations
+    assert qualifies(task, UNBOUNDED, cost)
+    assert not qualifies(task, UNBOUNDED, cost - 1)
+
+
+def test_a_products_elements_count_too() -> None:
+    # An outer product: few flops per element, its (large) gradients decide.
+    a = ag.randn(512, 1, requires_grad=True)
+    b = ag.randn(1, 512, requires_grad=True)
+    task = _task(a @ b)
+    elements = 512 * 512 + 512 + 512
+    assert qualifies(task, elements, UNBOUNDED)
+    assert not qualifies(task, elements - 1, UNBOUNDED)
+
+
+def test_dtypes_without_a_blas_kernel_cost_more_per_flop() -> None:
+    costs = {}
+    for dtype in ("float32", "float64", "float16"):
+        out = _randn((8, 4), dtype, True) @ _randn((4, 3), dtype, True)
+        task = _task(out)
+        flops = 2 * 2 * 8 * 3 * 4  # two products of 2 * |grad| * k
+        costs[dtype] = next(
+            weight
+            for weight in (1, 2, 256)
+            if qualifies(task, UNBOUNDED, flops * weight)
+            and not qualifies(task, UNBOUNDED, flops * weight - 1)
+        )
+    assert costs == {"float32": 1, "float64": 2, "float16": 256}
+
+
+def test_element_wise_nodes_are_priced_by_elements_only() -> None:
+    x = ag.randn(600, 64, requires_grad=True)
+    task = _task(x.relu())
+    assert task.node._plain != PRODUCT
+    assert qualifies(task, 2 * 600 * 64, 0)  # no product: the flop limit does not apply
+    assert not qualifies(task, 2 * 600 * 64 - 1, UNBOUNDED)
+
+
+def test_a_retained_products_output_is_still_priced_by_flops() -> None:
+    # retain_grad takes the node off the plain fast path; its price stays the products'.
+    a = ag.randn(64, 64, requires_grad=True)
+    b = ag.randn(64, 64, requires_grad=True)
+    out = a @ b
+    out.retain_grad()
+    assert out.grad_fn._plain == 0
+    task = _task(out)
+    flops = 2 * 2 * 64 * 64 * 64
+    assert qualifies(task, UNBOUNDED, flops)
+    assert not qualifies(task, UNBOUNDED, flops - 1)
+    hooked = a @ b
+    hooked.grad_fn.register_hook(lambda grads_in, grads_out: None)
+    assert not qualifies(_task(hooked), UNBOUNDED, UNBOUNDED)  # user code: executors
+
+
+def test_the_default_policy_takes_a_600x64_layer_and_not_the_mlp_layers() -> None:
+    policy = EnginePolicy()
+
+    def verdict(rows: int, inputs: int, outputs: int, dtype: str = "float32") -> bool:
+        x = ag.randn(rows, inputs, dtype=dtype, requires_grad=True)
+        w = ag.randn(outputs, inputs, dtype=dtype, requires_grad=True)
+        b = ag.randn(outputs, dtype=dtype, requires_grad=True)
+        task = _task(F.linear(x, w, b))
+        return qualifies(task, policy.inline_max_elements, policy.inline_max_flops)
+
+    assert verdict(600, 64, 64)  # the model-parallel step's hidden layer: 9.8 MFLOP
+    assert not verdict(600, 64, 64, "float64")  # the same in float64 costs twice as much
+    assert not verdict(209, 209, 209)  # 36.5 MFLOP in 131,252 elements
+    assert not verdict(256, 1024, 1024)  # the mlp step's hidden layer
+    assert not verdict(64, 256, 256)  # concurrent_mid's hidden layer: 16.8 MFLOP
+
+
+def _stage(dtype: str, hidden: int) -> tuple[list[ag.Tensor], ag.Tensor]:
+    """The model-parallel example's shapes: 600 points, 2 -> hidden -> hidden -> 3."""
+    rng = np.random.default_rng(7)
+    params = [
+        ag.tensor(rng.standard_normal(shape) * 0.3, dtype=dtype, requires_grad=True)
+        for shape in ((hidden, 2), (hidden,), (hidden, hidden), (hidden,), (3, hidden), (3,))
+    ]
+    points = ag.tensor(rng.standard_normal((600, 2)), dtype=dtype)
+    h = F.linear(points, params[0], params[1]).relu()
+    h = F.linear(h, params[2], params[3]).relu()
+    return params, (F.linear(h, params[4], params[5]) ** 2).mean()
+
+
+def _threads_by_node(prof: profile) -> dict[str, set[str]]:
+    threads: dict[str, set[str]] = {}
+    for event in prof.events:
+        threads.setdefault(event.name, set()).add(event.thread)
+    return threads
+
+
+async def test_a_600x64_pass_runs_on_the_loop() -> None:
+    params, loss = _stage("float32", 64)
+    with profile() as prof:
+        await loss.backward()
+    here = threading.current_thread().name
+    threads = _threads_by_node(prof)
+    assert "LinearFunctionBackward0" in threads
+    assert all(ran == {here} for ran in threads.values()), threads
+    assert all(p.grad is not None for p in params)
+
+
+@pytest.mark.parametrize(("dtype", "hidden"), [("float32", 96), ("float64", 64)])
+async def test_a_large_product_stays_off_the_loop(dtype: str, hidden: int) -> None:
+    # float32 600x96x96: 22 MFLOP in 124,512 elements (its elements would qualify);
+    # float64 600x64x64: 9.8 MFLOP at twice the cost.
+    _, loss = _stage(dtype, hidden)
+    with profile() as prof:
+        await loss.backward()
+    here = threading.current_thread().name
+    by_order = [(event.name, event.thread) for event in sorted(prof.events, key=_start)]
+    # The loss's nodes and the last layer's (small) product ran here; the hidden layer's
+    # product, and everything after it, on the executors.
+    first_off = next(i for i, (_, thread) in enumerate(by_order) if thread != here)
+    assert by_order[0][1] == here, by_order
+    assert by_order[first_off][0] in ("LinearFunctionBackward0", "ReluBackward0"), by_order
+    assert all(thread.startswith("aioautograd-cpu") for _, thread in by_order[first_off:])
+    hidden_layers = [i for i, (name, _) in enumerate(by_order) if name == "LinearFunctionBackward0"]
+    assert len(hidden_layers) == 3
+    assert by_order[hidden_layers[1]][1] != here, by_order
+
+
+def _start(event: Any) -> int:
+    return int(event.start_ns)
+
+
+@pytest.mark.parametrize(("dtype", "hidden"), [("float32", 64), ("float32", 96), ("float64", 64)])
+async def test_gradients_are_bitwise_those_of_the_executors(dtype: str, hidden: int) -> None:
+    engine = get_default_engine()
+    grads = []
+    for budget in (1.0, 0.0):
+        engine.inline_budget_s = budget
+        params, loss = _stage(dtype, hidden)
+        with profile() as prof:
+            await loss.backward()
+        inline = {event.thread for event in prof.events} == {threading.current_thread().name}
+        assert inline == (budget > 0 and dtype == "float32" and hidden == 64)
+        grads.append([p.grad.data.copy() for p in params])  # type: ignore[union-attr]
+    for inline_grad, executor_grad in zip(*grads, strict=True):
+        assert inline_grad.dtype == executor_grad.dtype
+        assert np.array_equal(inline_grad, executor_grad)
