@@ -255,8 +255,10 @@ class Function:
     # run the node inline on the awaiting thread; user Functions run on the executors.
     _inline_backward: ClassVar[bool] = False
     # A built-in op whose backward is matrix products: per argument, the axis its products
-    # contract (``Node._product_axes``), so that inline execution prices the node by flops.
+    # contract (``Node._product_axes``), so that inline execution prices the node by flops;
+    # one whose backward is dear per element: how dear (``Node._element_cost``).
     _product_axes: ClassVar[tuple[int | None, ...] | None] = None
+    _element_cost: ClassVar[int] = 1
     # Which arguments get a ``next_functions`` edge. "tensors" (PyTorch's rule for custom
     # Functions): every tensor. Built-in ops: "differentiable", floating point tensors only
     # (an index or a mask is not differentiable), or "operands", those and the non-tensor
@@ -271,6 +273,7 @@ class Function:
             "_forward_cls": cls,
             "inline": cls._inline_backward and not is_async,
             "_product_axes": cls._product_axes,
+            "_element_cost": cls._element_cost,
         }
         name = cls.__name__ + cls._node_suffix
         cls._backward_cls = type(name, (base,), attrs)

@@ -33,18 +33,19 @@ _sequence_nr = itertools.count()
 _ACCUMULATE_SEQUENCE_NR = sys.maxsize
 
 
-# ``Node._plain``: 0, PLAIN, INLINE or PRODUCT. PLAIN: no hook of any kind (node pre- and
+# ``Node._plain``: 0, PLAIN, INLINE or PRICED. PLAIN: no hook of any kind (node pre- and
 # post-hooks, tensor hooks, retain_grad; for a leaf's node the leaf's hooks and
 # post-accumulate hooks), no stream, not async, so evaluate_function's hot path may run it.
 # INLINE: all that, and its class runs only library code (``Node.inline``), so inline
-# execution may take it, priced by its gradients' elements. PRODUCT: INLINE, but its
-# backward is matrix products (``Node._product_axes``), priced by their flops. Kept current
-# by every registration and removal (``_refresh_plain``): the engine reads one slot per
-# node instead of six attributes of several node types at one site (reads CPython 3.11 does
-# not specialize).
+# execution may take it, priced by its gradients' elements. PRICED: INLINE, but its class
+# has a cost model of its own (matrix products: ``Node._product_axes``; element-wise work
+# far dearer than a multiplication per element: ``Node._element_cost``). Kept current by
+# every registration and removal (``_refresh_plain``): the engine reads one slot per node
+# instead of six attributes of several node types at one site (reads CPython 3.11 does not
+# specialize).
 PLAIN: Final = 1
 INLINE: Final = 2
-PRODUCT: Final = 3
+PRICED: Final = 3
 
 
 def next_sequence_nr() -> int:
@@ -84,8 +85,13 @@ class Node:
     # operand's only axis when it has no such axis), None for an argument whose gradient
     # is no product. Inline execution prices such a node by its flops (engine/inline.py).
     _product_axes: ClassVar[tuple[int | None, ...] | None] = None
-    # 0, PLAIN, INLINE or PRODUCT (see above): each class's own from ``is_async``,
-    # ``inline`` and ``_product_axes``; an instance's only while a hook or stream is set.
+    # How many element-wise operations of a multiplication's cost each element of this
+    # node's gradients costs (GELU's backward evaluates the error function: ~50 NumPy
+    # passes). Inline execution counts its elements this many times (engine/inline.py).
+    _element_cost: ClassVar[int] = 1
+    # 0, PLAIN, INLINE or PRICED (see above): each class's own from ``is_async``,
+    # ``inline``, ``_product_axes`` and ``_element_cost``; an instance's only while a hook
+    # or stream is set.
     _plain: int = PLAIN
     _pre_hooks: HookDict | None = None
     _post_hooks: HookDict | None = None
@@ -100,7 +106,8 @@ class Node:
         if cls.is_async:
             cls._plain = 0
         elif cls.inline:
-            cls._plain = INLINE if cls._product_axes is None else PRODUCT
+            priced = cls._product_axes is not None or cls._element_cost != 1
+            cls._plain = PRICED if priced else INLINE
         else:
             cls._plain = PLAIN
 

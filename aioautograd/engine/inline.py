@@ -8,13 +8,15 @@ runs CPU nodes itself, on the event loop's thread, while they are cheap: nodes o
 ops (``Node.inline``) without user hooks, in a graph of at most ``inline_max_nodes`` nodes,
 within the policy's ``inline_budget_s`` (the loop's latency budget; 0 keeps all tensor math
 off the loop). A node's cost is predicted from its shapes: an element-wise node's by the
-elements of the gradients it reads and writes (``inline_max_elements``), a matrix product's
+elements of the gradients it reads and writes (``inline_max_elements``), each counted
+several times for a node far dearer per element than a multiplication (GELU's error
+function, indexing's scatter-add: ``Node._element_cost``), and a matrix product's
 (``Node._product_axes``: matmul, linear) also by its flops (``inline_max_flops``), so that
 a 600x64 layer's backward runs here while the ``mlp`` step's products stay on the
-executors. The first node that does not qualify, or the budget running out, hands
-every task left to the executors, and the coroutine then awaits as usual. The loop is
-therefore never blocked for longer than the budget plus one small node, and a large
-backward runs on the executors from its first node.
+executors. The first node that does not qualify, or the budget running out, hands every
+task left to the executors, and the coroutine then awaits as usual. The loop is therefore
+never blocked for longer than the budget plus one small node, and a large backward runs on
+the executors from its first node.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING, Final
 
 import numpy
 
-from aioautograd.autograd.node import INLINE, PRODUCT, AccumulateGrad
+from aioautograd.autograd.node import INLINE, PRICED, AccumulateGrad
 from aioautograd.devices.device import CPU
 from aioautograd.engine.evaluate import evaluate_function
 from aioautograd.engine.input_buffer import buffer_device
@@ -42,13 +44,13 @@ def qualifies(task: NodeTask, max_elements: int, max_flops: float) -> bool:
     """Whether ``task`` may run inline: library code only, CPU, no user hooks, small."""
     node = task.node
     if node._plain != INLINE:  # (one slot read for the common case: see Node._plain)
-        if node._plain == PRODUCT:
-            return _product_qualifies(task, node, max_elements, max_flops)
+        if node._plain == PRICED:
+            return _priced_qualifies(task, node, max_elements, max_flops)
         verdict = _hooked_verdict(task, node)
         if verdict is not None:
             return verdict
-        if type(node)._plain == PRODUCT:  # (a product's node whose only extra is retain_grad)
-            return _product_qualifies(task, node, max_elements, max_flops)
+        if type(node)._plain == PRICED:  # (a priced node whose only extra is retain_grad)
+            return _priced_qualifies(task, node, max_elements, max_flops)
     elif type(node) is AccumulateGrad:
         grad = task.inputs[0]  # (a leaf's node has one input)
         return grad is None or (grad.device.type == "cpu" and grad.data.size <= max_elements)
@@ -67,26 +69,30 @@ def qualifies(task: NodeTask, max_elements: int, max_flops: float) -> bool:
     return size <= max_elements
 
 
-def _product_qualifies(task: NodeTask, node: Node, max_elements: int, max_flops: float) -> bool:
-    """``qualifies`` for a node whose backward is matrix products (``Node._product_axes``):
-    its gradients' elements, and the flops of its products (``_product_flops``) counted as
-    float32 operations."""
-    grad = task.inputs[0]  # (a product's node has one input: its result's gradient)
-    if grad is None:
-        return True  # nothing to compute (a built-in op's node returns no gradient)
-    if grad.device.type != "cpu":
-        return False
-    data = grad.data
-    grad_size: int = data.size
-    size = grad_size
+def _priced_qualifies(task: NodeTask, node: Node, max_elements: int, max_flops: float) -> bool:
+    """``qualifies`` for a node whose class prices itself (``Node._plain == PRICED``): its
+    gradients' elements, each counted ``Node._element_cost`` times, and for a matrix
+    product (``Node._product_axes``) the flops of its products (``_product_flops``) counted
+    as float32 operations."""
+    size = 0
+    data = None
+    for grad in task.inputs:
+        if grad is not None:
+            if grad.device.type != "cpu":
+                return False
+            data = grad.data
+            size += data.size
+    grad_size = size  # (a product's node has one input: its result's gradient)
     for next_node, input_nr in node._next_edges:
         if next_node is not None:
             if type(next_node) is AccumulateGrad:
                 size += next_node.variable.data.size
             else:
                 size += math.prod(next_node._input_metadata[input_nr][0])
-    if size > max_elements:
+    if size * node._element_cost > max_elements:
         return False
+    if node._product_axes is None or data is None:
+        return True
     cost = _FLOP_COST.get(data.dtype.char, _NO_BLAS_FLOP_COST)
     # A contracted size is at most its operand's size: this bound settles small products
     # (a small MLP's) without reading the shapes.

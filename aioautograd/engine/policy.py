@@ -107,8 +107,11 @@ class EnginePolicy:
         inline_max_nodes: graphs with more nodes never start inline (walking them alone
             would approach the budget).
         inline_max_elements: a node runs inline only if the gradients it reads and writes
-            have at most this many elements: element-wise nodes of 131,072 float32 elements
-            took 20-110 µs on the 2-vCPU VM (``benchmarks/README.md``, session 27).
+            have at most this many elements, each counted ``Node._element_cost`` times for
+            the node classes far dearer per element than a multiplication (GELU's 64, a
+            scatter-add's 4): at this limit every node class measured took at most ~0.2 ms
+            on one core of the 2-vCPU VM (a ReLU 35-60 µs; ``benchmarks/README.md``,
+            session 27).
         inline_max_flops: a node whose backward is matrix products (``matmul``, ``linear``)
             runs inline only if they take at most this many floating-point operations,
             counted as float32 ones (a float64 one counts 2, a complex128 one 8, one in a

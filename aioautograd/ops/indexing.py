@@ -84,6 +84,9 @@ class GetItem(Op):
 class Index(Op):
     """Advanced indexing: a copy."""
 
+    # Its backward per element (``Node._element_cost``): a scatter-add (add.at), ~9 ns per element.
+    _element_cost = 4
+
     @staticmethod
     def forward(ctx: Any, x: Tensor, index: Any) -> Tensor:
         ctx.shape, ctx.index = x.shape, index
@@ -129,6 +132,9 @@ def _gather_index(xp: Any, index: Any, dim: int) -> tuple[Any, ...]:
 
 
 class Gather(Op):
+    # Its backward per element (``Node._element_cost``): a scatter-add (add.at), ~9 ns per element.
+    _element_cost = 4
+
     @staticmethod
     def forward(ctx: Any, x: Tensor, dim: int, index: Tensor) -> Tensor:
         ctx.shape, ctx.dim = x.shape, dim
@@ -159,6 +165,9 @@ class ScatterAdd(Op):
 
 
 class IndexSelect(Op):
+    # Its backward per element (``Node._element_cost``): a scatter-add (add.at), ~9 ns per element.
+    _element_cost = 4
+
     @staticmethod
     def forward(ctx: Any, x: Tensor, dim: int, index: Tensor) -> Tensor:
         ctx.shape, ctx.dim = x.shape, dim

@@ -142,6 +142,9 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 class Norm(Op):
     """The vector ``p``-norm over ``dims``; ``p`` is finite and positive, 0 or ``inf``."""
 
+    # Its backward per element (``Node._element_cost``): ~2 ns per float64 element, a ReLU's ~1.
+    _element_cost = 2
+
     @staticmethod
     def forward(ctx: Any, x: Tensor, p: float, dims: tuple[int, ...], keepdim: bool) -> Tensor:
         xp, data = x.xp, x.data

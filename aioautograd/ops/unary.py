@@ -134,6 +134,10 @@ class Sign(Op):
 
 
 class Sin(Op):
+    # Its backward per element (``Node._element_cost``): ~10 ns per float64 element
+    # (NumPy has no SIMD float64 sine here), a ReLU's ~1.
+    _element_cost = 8
+
     @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor) -> Tensor:
         ctx.save_for_backward(x)
@@ -146,6 +150,10 @@ class Sin(Op):
 
 
 class Cos(Op):
+    # Its backward per element (``Node._element_cost``): ~10 ns per float64 element
+    # (NumPy has no SIMD float64 sine here), a ReLU's ~1.
+    _element_cost = 8
+
     @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor) -> Tensor:
         ctx.save_for_backward(x)
@@ -258,6 +266,10 @@ class Erf(Op):
 
 
 class Gelu(Op):
+    # Its backward per element (``Node._element_cost``): ~120 ns per float64 element
+    # (the error function), a ReLU's ~1.
+    _element_cost = 64
+
     @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor, approximate: str) -> Tensor:
         xp, data = x.xp, x.data

@@ -14,7 +14,7 @@ import pytest
 
 import aioautograd as ag
 import aioautograd.nn.functional as F
-from aioautograd.autograd.node import PRODUCT, Node
+from aioautograd.autograd.node import PRICED, Node
 from aioautograd.devices.cpu_budget import cpu_budget
 from aioautograd.engine import EnginePolicy, get_default_engine
 from aioautograd.engine.inline import qualifies
@@ -64,7 +64,7 @@ def _randn(shape: tuple[int, ...], dtype: str, grad: bool) -> ag.Tensor:
     return ag.randn(*shape, dtype=dtype, requires_grad=grad)
 
 
-PRODUCTS: dict[str, Callable[[str], ag.Tensor]] = {
+PRICEDS: dict[str, Callable[[str], ag.Tensor]] = {
     "matmul": lambda dt: _randn((600, 64), dt, True) @ _randn((64, 64), dt, True),
     "matmul, b only": lambda dt: _randn((60, 7), dt, False) @ _randn((7, 9), dt, True),
     "matmul, a only": lambda dt: _randn((60, 7), dt, True) @ _randn((7, 9), dt, False),
@@ -88,12 +88,12 @@ PRODUCTS: dict[str, Callable[[str], ag.Tensor]] = {
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("case", list(PRODUCTS))
+@pytest.mark.parametrize("case", list(PRICEDS))
 def test_a_products_predicted_flops_are_the_flops_it_runs(
     case: str, dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    out = PRODUCTS[case](dtype)
-    assert out.grad_fn._plain == PRODUCT, out.grad_fn
+    out = PRICEDS[case](dtype)
+    assert out.grad_fn._plain == PRICED, out.grad_fn
     task = _task(out)
     flops = _measured_flops(out.grad_fn, task.inputs[0], monkeypatch)  # type: ignore[arg-type]
     assert flops > 0
@@ -130,9 +130,55 @@ def test_dtypes_without_a_blas_kernel_cost_more_per_flop() -> None:
 def test_element_wise_nodes_are_priced_by_elements_only() -> None:
     x = ag.randn(600, 64, requires_grad=True)
     task = _task(x.relu())
-    assert task.node._plain != PRODUCT
+    assert task.node._plain != PRICED
     assert qualifies(task, 2 * 600 * 64, 0)  # no product: the flop limit does not apply
     assert not qualifies(task, 2 * 600 * 64 - 1, UNBOUNDED)
+
+
+DEAR: dict[str, tuple[Callable[[ag.Tensor], ag.Tensor], int]] = {
+    "gelu": (lambda x: F.gelu(x), 64),
+    "gelu tanh": (lambda x: F.gelu(x, approximate="tanh"), 64),  # (the same node class)
+    "sin": (lambda x: x.sin(), 8),
+    "cos": (lambda x: x.cos(), 8),
+    "var": (lambda x: x.var(-1), 8),
+    "logsumexp": (lambda x: x.logsumexp(-1), 8),
+    "tensor exponent": (lambda x: (x * x + 0.5) ** x, 8),
+    "index": (lambda x: x[ag.tensor(np.array([3, 1, 3, 0]))], 4),
+    "gather": (lambda x: x.gather(1, ag.tensor(np.zeros((12, 3), np.int64))), 4),
+    "index_select": (lambda x: x.index_select(0, ag.tensor(np.array([2, 2, 5]))), 4),
+    "embedding": (lambda x: F.embedding(ag.tensor(np.array([[1, 4], [4, 0]])), x), 4),
+    "maximum": (lambda x: ag.maximum(x, x * 0.5), 2),
+    "cumsum": (lambda x: x.cumsum(-1), 2),
+    "norm": (lambda x: x.norm(dim=-1), 2),
+    "relu": (lambda x: x.relu(), 1),
+    "exp": (lambda x: x.exp(), 1),
+    "scalar base": (lambda x: 2.0**x, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(DEAR))
+def test_dear_element_wise_nodes_count_each_element_several_times(case: str) -> None:
+    op, weight = DEAR[case]
+    x = ag.randn(12, 5, dtype="float64", requires_grad=True)
+    out = op(x)
+    task = _task(out)
+    # What it reads and writes: its gradient, and one of x's shape per operand.
+    elements = out.data.size + x.data.size * len(task.node.next_functions)
+    assert (task.node._plain == PRICED) == (weight != 1)
+    assert qualifies(task, elements * weight, 0)
+    assert not qualifies(task, elements * weight - 1, 0)
+
+
+async def test_a_gelu_backward_that_a_relu_of_its_size_would_run_inline_goes_out() -> None:
+    x = ag.randn(64, 64, dtype="float64", requires_grad=True)
+    here = threading.current_thread().name
+    for op, inline in ((F.relu, True), (F.gelu, False)):
+        with profile() as prof:
+            await op(x).sum().backward()
+        threads = _threads_by_node(prof)
+        assert threads["SumBackward0"] == {here}, threads
+        ran_here = {here} == threads["GeluBackward0" if op is F.gelu else "ReluBackward0"]
+        assert ran_here == inline, threads
 
 
 def test_a_retained_products_output_is_still_priced_by_flops() -> None:
