@@ -320,3 +320,25 @@ def test_async_app_ab_settings_name_policy_fields() -> None:
     assert policy.gil_pause_always is True
     assert policy.cpu_threads is None  # untouched fields keep their defaults
     assert async_app_ab._policy({"cpu_threads": "2", "intra_op": "blas"}).cpu_threads == 2
+
+
+def test_inline_limits_finds_the_largest_inline_node() -> None:
+    from aioautograd.engine import EnginePolicy
+    from benchmarks import inline_limits
+
+    # A ReLU reads and writes rows x 64 elements each: the largest that fits the limit.
+    limit = EnginePolicy().inline_max_elements
+    rows = inline_limits.largest_inline("relu", "float32")
+    assert 2 * rows * inline_limits.WIDTH <= limit < 2 * (rows + 1) * inline_limits.WIDTH
+    assert inline_limits.largest_inline("gelu", "float32") * 64 <= rows  # GELU's weight
+    results = inline_limits.limits(runs=1)
+    assert {line["node"] for line in results} >= {"GeluBackward0", "LinearFunctionBackward0"}
+    assert all(line["min_us"] > 0 for line in results)
+
+
+async def test_inline_limits_heartbeat() -> None:
+    from benchmarks import inline_limits
+
+    result = await inline_limits.heartbeat(passes=2)
+    assert result["ticks"] > 0
+    assert result["tick_max_ms"] >= result["tick_p99_ms"]

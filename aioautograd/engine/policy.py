@@ -110,16 +110,16 @@ class EnginePolicy:
             have at most this many elements, each counted ``Node._element_cost`` times for
             the node classes far dearer per element than a multiplication (GELU's 64, a
             scatter-add's 4): at this limit every node class measured took at most ~0.2 ms
-            on one core of the 2-vCPU VM (a ReLU 35-60 µs; ``benchmarks/README.md``,
-            session 27).
+            on one core of the 2-vCPU VM (a ReLU 35-60 µs; ``inline_limits``, session 27
+            of ``benchmarks/README.md``).
         inline_max_flops: a node whose backward is matrix products (``matmul``, ``linear``)
             runs inline only if they take at most this many floating-point operations,
             counted as float32 ones (a float64 one counts 2, a complex128 one 8, one in a
             dtype without a BLAS kernel such as float16 256): 1.2e7 is ~0.2 ms on one core
-            of that VM, so the loop is held at most the budget plus one such node. It lets
-            the model-parallel step's 600x64 ``linear`` backward (9.8 MFLOP) and the
-            element-wise nodes around it run on the loop instead of paying two thread
-            hand-offs per pass on each worker (``model_parallel``).
+            of that VM (``inline_limits``), so the loop is held at most the budget plus one
+            such node. It lets the model-parallel step's 600x64 ``linear`` backward (9.8
+            MFLOP) and the element-wise nodes around it run on the loop instead of paying
+            two thread hand-offs per pass on each worker (``model_parallel``).
         gil_hold_s: a worker lets other threads take the GIL, and a core, after running
             this long (checked after every node, and before every large product and between
             the slices of one): CPython's switch interval is 5 ms, and with every core busy
