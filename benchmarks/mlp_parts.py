@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import math
 import statistics
 import sys
 import threading
@@ -133,7 +134,9 @@ async def phases(rounds: int) -> None:
 
 
 async def products(steps: int) -> None:
-    one_core = ag.EnginePolicy(cpu_cores=1, inline_max_elements=1 << 30, inline_budget_s=10.0)
+    one_core = ag.EnginePolicy(
+        cpu_cores=1, inline_max_elements=1 << 30, inline_max_flops=math.inf, inline_budget_s=10.0
+    )
     previous = ag.set_default_engine(ag.Engine(policy=one_core))
     parts = _Parts()
     clock = time.process_time
