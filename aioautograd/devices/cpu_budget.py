@@ -449,12 +449,15 @@ class CpuBudget:
         loop = None if counted else _get_running_loop()
         if loop is not None and splittable and self.loop_shares and self.active:
             held = _thread.hold
-            if held is None or held.budget is not self or not held.units or held.lent:
+            if held is not None and held.budget is not self:
+                held = None  # another budget's (tests make their own)
+            own = held.units if held is not None else 0
+            if self.active > own and (held is None or not own or held.lent):
                 # Other threads compute (workers): one core for this product, as theirs
                 # (``EnginePolicy.loop_shares_cores``). A hold this callback took (its first
                 # product came while nothing else computed) goes on; one that an earlier
                 # callback left lent ends here, or it would count this thread twice.
-                if held is not None and held.budget is self and held.units:
+                if held is not None and own:
                     with self._lock:
                         self._drop_hold(held)
                 splittable = False

@@ -110,6 +110,25 @@ async def test_a_sharing_loop_ends_a_hold_an_earlier_callback_left_lent() -> Non
         _worker_computes(budget, -1)
 
 
+async def test_a_sharing_loop_whose_lent_hold_is_all_that_counts_takes_the_cores_back() -> None:
+    budget = _budget(True)
+    a, b = _operands()
+    budget.matmul(a, b)
+    hold = budget._holds[0]
+    for _ in range(4 * (HOLD_ITERATIONS + 1)):
+        if hold.lent:
+            break
+        await asyncio.sleep(0)
+    assert hold.lent
+    assert budget.active == 1  # its own lent core: nothing else computes
+    budget.matmul(a, b)  # a later callback's product, alone: split under the same hold
+    assert (budget.split_products, budget.shared_products) == (2, 0)
+    assert budget._holds == [hold]
+    assert not hold.lent
+    await _holds_released(budget)
+    assert budget.active == 0
+
+
 async def test_a_sharing_loop_s_turn_takes_no_hold() -> None:
     budget = _budget(True)
     loop = asyncio.get_running_loop()
