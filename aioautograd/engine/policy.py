@@ -101,10 +101,11 @@ class EnginePolicy:
             no hold either): the workers keep computing through the loop's forward pass,
             whose products run whole on the loop's thread, at one core's speed. Off by
             default: it trades the loop's latency for throughput (``concurrent``, natural
-            code: 11-12% less wall time in in-process A/Bs, but the 1 ms heartbeat's p99
-            16-17 ms instead of 8.5-10 and its longest delay up to 33 ms, a coroutine's turn
-            being a forward pass at one core's speed: benchmarks/README.md, session 27). For
-            training loops with nothing else to serve on the event loop.
+            code: 11-21% less wall time in in-process A/Bs, 1.12x and 1.27x the sequential
+            schedule against 0.89x and 1.00x, but the 1 ms heartbeat's p99 14-17 ms instead
+            of 8.5-11.5 and its longest delay up to 33 ms, a coroutine's turn being a forward
+            pass at one core's speed: benchmarks/README.md, session 27). For training loops
+            with nothing else to serve on the event loop.
         worker_nice: CPU workers run this much below the process's priority (Linux). 0 by
             default: at +10 the workers lost most of their CPU to any other busy process
             (the aiohttp app under wrk load trained at 5 steps/s instead of 21), while the
