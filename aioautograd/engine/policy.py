@@ -101,7 +101,7 @@ class EnginePolicy:
             no hold either): the workers keep computing through the loop's forward pass,
             whose products run whole on the loop's thread, at one core's speed. Off by
             default: it trades the loop's latency for throughput (``concurrent``, natural
-            code: 11-21% less wall time in in-process A/Bs, 1.12x and 1.27x the sequential
+            code: 5-21% less wall time in in-process A/Bs, 1.12x and 1.27x the sequential
             schedule against 0.89x and 1.00x, but the 1 ms heartbeat's p99 14-17 ms instead
             of 8.5-11.5 and its longest delay up to 33 ms, a coroutine's turn being a forward
             pass at one core's speed: benchmarks/README.md, session 27). For training loops
