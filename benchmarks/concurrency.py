@@ -314,6 +314,7 @@ def _concurrent_summary(lines: dict[str, dict[str, Any]]) -> tuple[dict[str, Any
         for name, key in (
             ("aioautograd", "speedup_natural"),
             ("aioautograd-offload", "speedup_offload"),
+            ("aioautograd-shared", "speedup_shared"),
         ):
             if name in lines:
                 summary[key] = best_seq / lines[name]["median_s"]
@@ -384,6 +385,11 @@ def _training_impls() -> tuple[Impl, ...]:
         # The subject: natural code, four coroutines at once, default environment.
         Impl("aioautograd", _aio_training(True, False)),
         Impl("aioautograd-offload", _aio_training(True, True), main_table=False),
+        Impl(
+            "aioautograd-shared",
+            _aio_training(True, False, ag.engine.EnginePolicy(loop_shares_cores=True)),
+            main_table=False,
+        ),
         Impl("aioautograd-seq", _aio_training(False, False), main_table=False),
         Impl("aioautograd-seq-offload", _aio_training(False, True), main_table=False),
         Impl(

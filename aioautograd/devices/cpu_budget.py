@@ -26,7 +26,9 @@ thread (a user's) for the duration of a large product it runs. An event loop's t
 runs a large product holds every core until its callback has returned to the loop and the
 loop has run the I/O and tasks that became ready meanwhile (see ``CpuBudget.matmul``); while
 it runs Python in that time instead of a product, it keeps one core and lends the others to
-parked workers until its next product (``CpuBudget._lend``).
+parked workers until its next product (``CpuBudget._lend``). With the policy's
+``loop_shares_cores``, a loop's thread whose product comes while other threads compute takes
+one core for it instead, and no hold.
 """
 
 from __future__ import annotations
@@ -170,12 +172,14 @@ class CpuBudget:
         self.split_backoffs = 0  # times splitting paused because helpers were starved
         self.sliced_products = 0  # products run in sequential slices (observability)
         self.paired_products = 0  # pairs of products run side by side (observability)
+        self.shared_products = 0  # loop products run on one core (``loop_shares``)
         self.slice_flops = 1.0e8
         self.place_helpers = True  # see EnginePolicy.place_helpers
         self.loop_hold_s = 0.0  # see EnginePolicy.loop_hold_s
         self.hold_iterations = HOLD_ITERATIONS  # see EnginePolicy.loop_hold_iterations
         self.lend_cores = LEND_AFTER_CALLBACK  # see EnginePolicy.loop_lends_cores
         self.lent_slice_flops = 2.5e7  # see EnginePolicy.lent_slice_flops
+        self.loop_shares = False  # see EnginePolicy.loop_shares_cores
         self._holds: list[_LoopHold] = []
         self._lent = 0  # holds lending their cores now (``_lend``)
         self._no_split_until = 0.0
@@ -298,7 +302,7 @@ class CpuBudget:
         cores and a GIL shared four ways: in ``concurrent`` (natural code) a turn took 5.4
         ms at the median and up to 11-20 ms, against 4.0 and 8 with the request made here.
         """
-        if self.loop_hold_s <= 0:
+        if self.loop_hold_s <= 0 or self.loop_shares:
             return
         state = _thread
         if (
@@ -443,6 +447,21 @@ class CpuBudget:
             if splittable and self.active > self.cores:
                 self.wait_for_core()
         loop = None if counted else _get_running_loop()
+        if loop is not None and splittable and self.loop_shares and self.active:
+            held = _thread.hold
+            if held is not None and held.budget is not self:
+                held = None  # another budget's (tests make their own)
+            own = held.units if held is not None else 0
+            if self.active > own and (held is None or not own or held.lent):
+                # Other threads compute (workers): one core for this product, as theirs
+                # (``EnginePolicy.loop_shares_cores``). A hold this callback took (its first
+                # product came while nothing else computed) goes on; one that an earlier
+                # callback left lent ends here, or it would count this thread twice.
+                if held is not None and own:
+                    with self._lock:
+                        self._drop_hold(held)
+                splittable = False
+                self.shared_products += 1
         if loop is not None and flops >= self.min_split_flops:
             # A forward pass with products this large: its turns hold the cores
             # (``hold_for_turn``), even while a starved helper keeps them whole.
@@ -931,6 +950,7 @@ def configure(policy: Any, only_if_unset: bool = False) -> CpuBudget:
         budget.hold_iterations = policy.loop_hold_iterations
         budget.lend_cores = LEND_AFTER_CALLBACK if policy.loop_lends_cores else LEND_NEVER
         budget.lent_slice_flops = policy.lent_slice_flops
+        budget.loop_shares = policy.loop_shares_cores
         if policy.manage_blas_threads and budget._blas is None:
             budget._blas = _BlasThreads()
             budget._user_blas_threads = budget._blas.get()

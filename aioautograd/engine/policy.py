@@ -95,6 +95,17 @@ class EnginePolicy:
         lent_slice_flops: a worker's product computed while a loop lends it a core is cut
             in sequential slices of about this many operations (~0.3 ms on one core): the
             longest the loop's next product waits for that core.
+        loop_shares_cores: an event loop's thread that runs a large product while other
+            threads compute takes one core for it, as any other thread does, instead of
+            holding every core for its callback (``loop_hold_s``; a coroutine's turn takes
+            no hold either): the workers keep computing through the loop's forward pass,
+            whose products run whole on the loop's thread, at one core's speed. Off by
+            default: it trades the loop's latency for throughput (``concurrent``, natural
+            code: 5-21% less wall time in in-process A/Bs, 1.12x and 1.27x the sequential
+            schedule against 0.89x and 1.00x, but the 1 ms heartbeat's p99 14-17 ms instead
+            of 8.5-11.5 and its longest delay up to 33 ms, a coroutine's turn being a forward
+            pass at one core's speed: benchmarks/README.md, session 27). For training loops
+            with nothing else to serve on the event loop.
         worker_nice: CPU workers run this much below the process's priority (Linux). 0 by
             default: at +10 the workers lost most of their CPU to any other busy process
             (the aiohttp app under wrk load trained at 5 steps/s instead of 21), while the
@@ -152,6 +163,7 @@ class EnginePolicy:
     loop_hold_iterations: int = 2
     loop_lends_cores: bool = True
     lent_slice_flops: float = 2.5e7
+    loop_shares_cores: bool = False
     worker_nice: int = 0
     inline_budget_s: float = 0.0005
     inline_max_nodes: int = 256
