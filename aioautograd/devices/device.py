@@ -49,6 +49,8 @@ class Backend:
                 # (the ufunc's reduce, as ndarray.sum calls it, without its Python wrapper)
                 summed = np.add.reduce(data, axis) if type(data) is np.ndarray else data.sum(axis)
             data = summed
+            if data.shape == shape:  # (a bias gradient's case: no generator for the axes)
+                return data
         axes = tuple(i for i, size in enumerate(shape) if size == 1 and data.shape[i] != 1)
         if axes:
             data = data.sum(axis=axes, keepdims=True)

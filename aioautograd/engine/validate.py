@@ -107,7 +107,7 @@ def _conform(
             f"Function {_name(producer)} returned an invalid gradient at index {i} - expected "
             f"device {device} but got {grad.device}"
         )
-    if grad.data.dtype != dtype:
+    if grad.data.dtype is not dtype and grad.data.dtype != dtype:
         if dtype.kind not in "fc":
             raise RuntimeError(
                 f"Function {_name(producer)} returned a gradient at index {i} for a tensor "
