@@ -26,6 +26,8 @@ def is_expandable_to(shape: Shape, desired: Shape) -> bool:
     target_ndim = len(desired)
     if ndim > target_ndim:
         return False
+    if desired[target_ndim - ndim :] == shape:  # leading dimensions only (a bias gradient)
+        return True
     for i in range(1, ndim + 1):
         size = shape[-i]
         if size != 1 and size != desired[-i]:
