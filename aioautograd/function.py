@@ -104,8 +104,11 @@ class BackwardCFunction(Node, FunctionCtx):
                 break
         backward = self._forward_cls.backward
         result = backward(self, grads[0]) if len(grads) == 1 else backward(self, *grads)
-        if type(result) is tuple and len(result) == len(self._next_edges):
-            return result
+        if type(result) is tuple:
+            if len(result) == len(self._next_edges):
+                return result
+        elif type(result) is Tensor and len(self._next_edges) == 1:
+            return (result,)  # (a unary op's one gradient)
         return _check_gradient_count(self, result)
 
     def release_variables(self) -> None:

@@ -142,24 +142,30 @@ def _inner(args: argparse.Namespace) -> None:
         labels.append(label)
         os.getppid()
 
-    def run() -> None:
+    async def run() -> None:
         value = case.run()
         if inspect.isawaitable(value):
-            loop.run_until_complete(value)  # type: ignore[arg-type]
+            await value
 
-    for _ in range(args.warmup):
-        case.prepare()
-        run()
-    for _ in range(args.repeats):
-        gc.collect()
-        mark("setup")
-        case.prepare()
-        mark("prepare")
-        gc.collect()
-        mark("setup")
-        for _ in range(args.runs):
-            run()
-        mark("run")
+    async def counted() -> None:
+        # Every run awaited inside one coroutine, as run.py's harness times them: a
+        # ``run_until_complete`` per run would count a task and loop iterations (~70k
+        # instructions) that the timed region does not include.
+        for _ in range(args.warmup):
+            case.prepare()
+            await run()
+        for _ in range(args.repeats):
+            gc.collect()
+            mark("setup")
+            case.prepare()
+            mark("prepare")
+            gc.collect()
+            mark("setup")
+            for _ in range(args.runs):
+                await run()
+            mark("run")
+
+    loop.run_until_complete(counted())
     case.close()
     loop.close()
     Path(args.inner).write_text(json.dumps({"labels": labels, "nodes": case.nodes}))

@@ -378,9 +378,9 @@ def owned_gradient(grad: Tensor, refs: int) -> bool:
         grad.grad_fn is None
         and grad._base is None
         and data.base is None
-        and _writeable(data)
         and sys.getrefcount(grad) <= refs + 2  # (this function's parameter, getrefcount's)
         and sys.getrefcount(data) <= _OWNED_ARRAY_REFS
+        and getattr(data.flags, "writeable", True)  # (_writeable, inlined: once per leaf)
     )
 
 

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from aioautograd.devices.streams import Stream
 
 _cache: dict[tuple[str, int | None], Device] = {}
+# The devices in ``_cache`` whose backend has streams (none on a CPU-only run): read at the
+# start of every backward pass (``stash_current_streams``).
+_stream_devices: tuple[Device, ...] = ()
 _cache_lock = threading.Lock()
 
 
@@ -49,6 +52,8 @@ class Backend:
                 # (the ufunc's reduce, as ndarray.sum calls it, without its Python wrapper)
                 summed = np.add.reduce(data, axis) if type(data) is np.ndarray else data.sum(axis)
             data = summed
+            if data.shape == shape:  # (a bias gradient's case: no generator for the axes)
+                return data
         axes = tuple(i for i, size in enumerate(shape) if size == 1 and data.shape[i] != 1)
         if axes:
             data = data.sum(axis=axes, keepdims=True)
@@ -113,6 +118,7 @@ class Device:
     xp: Any
 
     def __new__(cls, type: str, index: int | None = None) -> Device:
+        global _stream_devices
         key = (type, index)
         dev = _cache.get(key)
         if dev is not None:
@@ -128,6 +134,8 @@ class Device:
                 dev.backend = backend
                 dev.xp = backend.xp
                 _cache[key] = dev
+                if backend.has_streams:
+                    _stream_devices = (*_stream_devices, dev)
         return dev
 
     @property
@@ -170,11 +178,9 @@ CPU = Device("cpu")
 def stash_current_streams() -> dict[Device, Stream]:
     """The current stream of every accelerator device in use (PyTorch's
     ``stash_current_streams``): read on the caller's thread when a backward pass starts."""
-    return {
-        dev: stream
-        for dev in tuple(_cache.values())
-        if dev.backend.has_streams and (stream := dev.current_stream()) is not None
-    }
+    if not _stream_devices:
+        return {}
+    return {dev: stream for dev in _stream_devices if (stream := dev.current_stream()) is not None}
 
 
 DEVICE_TYPES = ("cpu", "cuda", "sim")

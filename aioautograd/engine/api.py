@@ -112,6 +112,11 @@ def _prepare_backward(
     create_graph: bool,
     inputs: TensorOrTensors | None,
 ) -> tuple[list[Edge], list[Tensor | None], bool, list[Edge] | None]:
+    if type(tensors) is Tensor and grad_tensors is None and inputs is None and not create_graph:
+        # ``loss.backward()``: the same checks, without the general case's tuples
+        single = (tensors,)
+        keep = False if retain_graph is None else retain_graph
+        return _root_edges(single), _make_grads(single, (None,)), keep, None
     outputs = _as_tuple(tensors)
     input_tuple = _as_tuple(inputs)
     if inputs is not None and not input_tuple:

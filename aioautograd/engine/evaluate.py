@@ -124,8 +124,15 @@ def evaluate_function(task: NodeTask, device: Device, reuse: bool = False) -> Re
             if not graph_task.keep_graph:
                 node.release_variables()
             edges = node._next_edges
-            if edges:
-                outputs = validated(edges, outputs, node)
+            if not edges:  # a leaf's AccumulateGrad: this task ends, none starts
+                lock = graph_task.lock
+                lock.acquire()
+                left = graph_task.outstanding_tasks = graph_task.outstanding_tasks - 1
+                lock.release()
+                if left == 0:
+                    graph_task.all_tasks_done()
+                return None
+            outputs = validated(edges, outputs, node)
             # (a plain node has no stream: its gradients are produced on none)
             return _make_ready(graph_task, node, outputs, task if reuse else None, None)
         else:

@@ -198,7 +198,14 @@ def run_inline(graph_task: GraphTask, first: NodeTask, budget_s: float) -> bool:
                 ready = made  # type: ignore[assignment]  # (not a NodeTask: the list)
             if ready is not None:
                 for successor in ready:
-                    device = buffer_device(successor.inputs)
+                    # buffer_device's common case inline; no local may hold the gradient
+                    # (its reference count decides whether AccumulateGrad steals it)
+                    inputs = successor.inputs
+                    device = (
+                        inputs[0].device
+                        if inputs and inputs[0] is not None
+                        else buffer_device(inputs)
+                    )
                     if device.type == "cpu":
                         pushed += 1
                         heapq.heappush(heap, (-successor.key, pushed, successor))

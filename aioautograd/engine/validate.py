@@ -26,6 +26,8 @@ def is_expandable_to(shape: Shape, desired: Shape) -> bool:
     target_ndim = len(desired)
     if ndim > target_ndim:
         return False
+    if desired[target_ndim - ndim :] == shape:  # leading dimensions only (a bias gradient)
+        return True
     for i in range(1, ndim + 1):
         size = shape[-i]
         if size != 1 and size != desired[-i]:
@@ -107,7 +109,7 @@ def _conform(
             f"Function {_name(producer)} returned an invalid gradient at index {i} - expected "
             f"device {device} but got {grad.device}"
         )
-    if grad.data.dtype != dtype:
+    if grad.data.dtype is not dtype and grad.data.dtype != dtype:
         if dtype.kind not in "fc":
             raise RuntimeError(
                 f"Function {_name(producer)} returned a gradient at index {i} for a tensor "

@@ -346,3 +346,28 @@ async def test_where_with_zero_branch_keeps_non_finite_values_exact() -> None:
     values = ag.tensor([np.inf, np.nan, 2.0], dtype="float64")
     np.testing.assert_array_equal(ag.where(cond, values, 0.0).numpy(), [np.inf, 0.0, 2.0])
     np.testing.assert_array_equal(ag.where(cond, 0.0, values).numpy(), [0.0, np.nan, 0.0])
+
+
+@pytest.mark.parametrize("size", [6, 2048, 2049, 5000])
+@pytest.mark.parametrize("owned", [True, False], ids=["owned", "held"])
+async def test_relu_gradient_on_both_sides_of_the_masked_copy_size(
+    size: int, owned: bool, torch: Any
+) -> None:
+    # Small gradients are zeroed with one masked copy, large ones by the product with the
+    # mask: both keep PyTorch's values at zero, NaN outputs and non-finite gradients, in
+    # place into an owned gradient and into a fresh array for one held elsewhere.
+    rng = np.random.default_rng(size)
+    data = rng.standard_normal(size)
+    data[::5] = 0.0
+    data[1::97] = np.nan
+    gradient = rng.standard_normal(size)
+    gradient[2::31] = np.inf
+    gradient[3::37] = -np.inf
+    gradient[4::41] = np.nan
+    x, t = _leaf(data, "cpu"), torch.tensor(data, requires_grad=True)
+    incoming = ag.tensor(gradient.copy())
+    held = [] if owned else [incoming]
+    await ag.relu(x).backward(held[0] if held else ag.tensor(gradient.copy()))
+    t.relu().backward(torch.tensor(gradient))
+    np.testing.assert_array_equal(to_numpy(x.grad), to_numpy(t.grad))
+    np.testing.assert_array_equal(incoming.numpy(), gradient)  # a held gradient is untouched
