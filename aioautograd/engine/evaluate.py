@@ -125,12 +125,7 @@ def evaluate_function(task: NodeTask, device: Device, reuse: bool = False) -> Re
                 node.release_variables()
             edges = node._next_edges
             if not edges:  # a leaf's AccumulateGrad: this task ends, none starts
-                lock = graph_task.lock
-                lock.acquire()
-                left = graph_task.outstanding_tasks = graph_task.outstanding_tasks - 1
-                lock.release()
-                if left == 0:
-                    graph_task.all_tasks_done()
+                graph_task.task_finished()
                 return None
             outputs = validated(edges, outputs, node)
             # (a plain node has no stream: its gradients are produced on none)

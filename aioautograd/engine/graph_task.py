@@ -323,7 +323,7 @@ class GraphTask:
     # --------------------------------------------------------------------- completion
     def task_finished(self) -> None:
         """(executor or loop) Account for one task that ended without producing successors
-        (error or skip)."""
+        (error, skip, or a leaf's AccumulateGrad)."""
         with self.lock:
             self.outstanding_tasks -= 1
             done = self.outstanding_tasks == 0

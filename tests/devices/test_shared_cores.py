@@ -5,6 +5,8 @@ alone, it still takes them all. Gradients stay those of the sequential run, bit 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -38,9 +40,16 @@ async def _holds_released(budget: CpuBudget) -> None:
     assert not budget._holds, "the loop's hold never ended"
 
 
-def _worker_computes(budget: CpuBudget, delta: int = 1) -> None:
+@contextlib.contextmanager
+def _a_worker_computing(budget: CpuBudget) -> Iterator[None]:
+    """A worker thread counted as computing on ``budget`` for the block."""
     with budget._lock:
-        budget._count(delta)
+        budget._count(1)
+    try:
+        yield
+    finally:
+        with budget._lock:
+            budget._count(-1)
 
 
 @pytest.mark.parametrize("shares", [True, False])
@@ -49,8 +58,7 @@ async def test_a_loop_s_product_beside_a_computing_worker_takes_one_core_when_sh
 ) -> None:
     budget = _budget(shares)
     a, b = _operands()
-    _worker_computes(budget)
-    try:
+    with _a_worker_computing(budget):
         out = budget.matmul(a, b)
         assert np.array_equal(out, np.matmul(a, b))
         if shares:
@@ -65,8 +73,6 @@ async def test_a_loop_s_product_beside_a_computing_worker_takes_one_core_when_sh
             assert len(budget._holds) == 1
         await _holds_released(budget)
         assert budget.active == 1
-    finally:
-        _worker_computes(budget, -1)
 
 
 async def test_a_sharing_loop_alone_still_takes_every_core() -> None:
@@ -78,14 +84,11 @@ async def test_a_sharing_loop_alone_still_takes_every_core() -> None:
     assert len(budget._holds) == 1
     # Its callback goes on holding them: a worker that started meanwhile does not make the
     # next product of the same callback count a third core.
-    _worker_computes(budget)
-    try:
+    with _a_worker_computing(budget):
         assert np.array_equal(budget.matmul(a, b), out)
         assert (budget.split_products, budget.shared_products, budget.active) == (2, 0, 3)
         await _holds_released(budget)
         assert budget.active == 1
-    finally:
-        _worker_computes(budget, -1)
 
 
 async def test_a_sharing_loop_ends_a_hold_an_earlier_callback_left_lent() -> None:
@@ -99,15 +102,12 @@ async def test_a_sharing_loop_ends_a_hold_an_earlier_callback_left_lent() -> Non
         await asyncio.sleep(0)
     assert hold.lent
     assert budget._holds == [hold]
-    _worker_computes(budget)
-    try:
+    with _a_worker_computing(budget):
         budget.matmul(a, b)  # a later callback's product, beside the worker: shared
         assert (budget.split_products, budget.shared_products) == (1, 1)
         assert not budget._holds
         assert budget.peak == 2  # the loop's thread counted once: the hold was released
         assert budget.active == 1
-    finally:
-        _worker_computes(budget, -1)
 
 
 async def test_a_sharing_loop_whose_lent_hold_is_all_that_counts_takes_the_cores_back() -> None:
@@ -135,8 +135,7 @@ async def test_a_sharing_loop_s_turn_takes_no_hold() -> None:
     a, b = _operands()
     budget.matmul(a, b)  # this loop's forward passes are large: by default its turns hold
     await _holds_released(budget)
-    _worker_computes(budget)
-    try:
+    with _a_worker_computing(budget):
         budget.hold_for_turn(loop)
         assert not budget._holds
         assert budget.active == 1
@@ -145,8 +144,6 @@ async def test_a_sharing_loop_s_turn_takes_no_hold() -> None:
         assert len(budget._holds) == 1
         assert budget.active == 2
         await _holds_released(budget)
-    finally:
-        _worker_computes(budget, -1)
 
 
 def test_the_policy_sets_whether_the_loop_shares_the_cores() -> None:
