@@ -154,3 +154,15 @@ class AddOneInterceptor(rpc.RpcInterceptor):
 
 def install_test_interceptor() -> None:
     rpc.register_interceptor_factory("test-add-one", lambda agent: AddOneInterceptor())
+
+
+@rpc.register
+async def stream_transports() -> dict[str, str]:
+    """The transport of each call stream this worker opened: ``same-host`` or ``grpc``."""
+    from aioautograd.distributed.rpc.backends.grpc_local import LocalCall
+
+    streams = rpc.get_current_agent()._streams  # type: ignore[attr-defined]
+    return {
+        peer: "same-host" if isinstance(stream._call, LocalCall) else "grpc"
+        for peer, stream in streams.items()
+    }

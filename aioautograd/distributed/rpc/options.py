@@ -162,6 +162,21 @@ class GrpcOptions(RpcBackendOptions):
             issue #15, session 26). Process-wide; skipped without glibc and when the
             environment sets the thresholds itself (``MALLOC_*_`` variables,
             ``GLIBC_TUNABLES``). See :mod:`aioautograd.distributed.rpc.memory`.
+        same_host_channel: Two workers on the same host (the same kernel boot, mount
+            namespace and user, a host id exchanged when they join; not guessed from
+            addresses) send each other their calls over a Unix-domain socket instead of a
+            gRPC stream, as TensorPipe uses shared memory on one host: a round trip then
+            skips gRPC core's threads. The same frames, limits and credentials as the gRPC
+            stream (token and ``identity="token"`` checked in the first frame before any
+            other is read, ``max_message_size`` checked on each frame's declared length,
+            the same bounds on calls in flight and served); heartbeats stay on gRPC. TLS
+            does not apply to it: the socket sits in a private directory (mode 0700) of the
+            worker's user, its peers' user is checked (``SO_PEERCRED``), and with the token
+            that stands in for TLS on one host. Off with mutual TLS (``identity="tls"``
+            binds senders to certificates, which a Unix socket cannot carry), on
+            platforms without Unix sockets, and when ``False`` (or the environment sets
+            ``AIOAUTOGRAD_SAME_HOST_CHANNEL=0``): gRPC between every pair.
+            See :mod:`aioautograd.distributed.rpc.backends.grpc_local`.
     """
 
     master_addr: str | None = None
@@ -179,6 +194,7 @@ class GrpcOptions(RpcBackendOptions):
     identity: str = ""
     torchelastic_store: tuple[str, int] | None = None
     keep_freed_memory: bool = True
+    same_host_channel: bool = True
 
     def resolved(self) -> GrpcOptions:
         """A copy with the environment's values filled in; raises if something is missing."""
@@ -243,8 +259,12 @@ class GrpcOptions(RpcBackendOptions):
         host = self.host or env.get("AIOAUTOGRAD_HOST") or None
         if host is None and is_loopback(master_addr):
             host = master_addr
+        same_host_channel = self.same_host_channel
+        if env.get("AIOAUTOGRAD_SAME_HOST_CHANNEL", "1") == "0":
+            same_host_channel = False
         return dataclasses.replace(
             self,
+            same_host_channel=same_host_channel,
             master_addr=master_addr,
             master_port=master_port,
             host=host,

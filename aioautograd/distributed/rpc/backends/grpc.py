@@ -68,6 +68,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
 
 from aioautograd.distributed.rpc import wire
 from aioautograd.distributed.rpc.agent import RpcAgent, call_timeout_error
+from aioautograd.distributed.rpc.backends import grpc_local
 from aioautograd.distributed.rpc.backends.grpc_stream import FRAME, IncomingStream, OutgoingStream
 from aioautograd.distributed.rpc.errors import (
     MalformedMessageError,
@@ -277,11 +278,22 @@ class GrpcAgent(RpcAgent):
         self._calls = 0  # calls of this worker in flight to peers (see _exchange)
         self._calls_idle: asyncio.Future[None] | None = None
         self._addresses: dict[str, str] = {}
-        self._joined: dict[str, tuple[int, str, str]] = {}
+        self._joined: dict[str, tuple[int, str, str, str, str]] = {}
         self._all_joined = asyncio.Event()
         self._budget = _Budget(options.max_inflight_calls, options.max_inflight_bytes)
         self._heartbeat = _Heartbeat(self)
         self._lost: set[str] = set()  # peers marked dead for their silence, not revived
+        # The same-host channel: this worker's host id (None: the channel is off), its
+        # server, and the socket paths of the peers on this host.
+        self._host_id = grpc_local.host_id() if self._same_host_channel() else None
+        self._local_server: grpc_local.LocalServer | None = None
+        self._local_paths: dict[str, str] = {}
+        self._hello = grpc_local.hello_frame(self._metadata)
+
+    def _same_host_channel(self) -> bool:
+        # Mutual TLS binds identities to certificates, which a Unix socket cannot carry.
+        tls = self.options.tls
+        return self.options.same_host_channel and (tls is None or not tls.mutual)
 
     # ------------------------------------------------------------------------ start/stop
     def _server_credentials(self) -> Any:
@@ -335,11 +347,22 @@ class GrpcAgent(RpcAgent):
         self._server = server
         own_address = f"{own_host}:{bound}"
         heartbeat_address = self._heartbeat.listen(bind_host, own_host)
+        local_path = ""
+        if self._host_id is not None:
+            self._local_server = grpc_local.LocalServer(self)
+            try:
+                local_path = await self._local_server.start()
+            except OSError as exc:  # gRPC carries this worker's calls
+                logger.warning("RPC worker %r has no same-host channel: %s", self.info.name, exc)
+                self._local_server = None
+        own_local = (self._host_id or "", local_path)
         store = options.torchelastic_store
         if self.info.id == 0:
             if store is not None:
                 await asyncio.to_thread(_torchelastic_master, store, options, own_address)
-            self._register_join(self.info.name, 0, self.world_size, own_address, heartbeat_address)
+            self._register_join(
+                self.info.name, 0, self.world_size, own_address, heartbeat_address, *own_local
+            )
             try:
                 await asyncio.wait_for(self._all_joined.wait(), options.init_timeout)
             except TimeoutError:
@@ -353,12 +376,14 @@ class GrpcAgent(RpcAgent):
                 master = await asyncio.to_thread(_torchelastic_master, store, options, None)
             else:
                 master = f"{options.master_addr}:{options.master_port}"
-            directory = await self._join(master, own_address, heartbeat_address)
+            directory = await self._join(master, own_address, heartbeat_address, own_local)
         workers = []
         peers = {}
         for entry in directory:
-            name, rank, worker_address, worker_heartbeat = entry
+            name, rank, worker_address, worker_heartbeat, worker_host, worker_path = entry
             self._addresses[name] = worker_address
+            if worker_path and worker_host == self._host_id and name != self.info.name:
+                self._local_paths[name] = worker_path
             workers.append(WorkerInfo(name, rank))
             if name != self.info.name:
                 peers[name] = worker_heartbeat
@@ -381,6 +406,8 @@ class GrpcAgent(RpcAgent):
         streams = list(self._streams.values())
         self._streams.clear()
         await asyncio.gather(*(stream.close() for stream in streams))
+        if self._local_server is not None:
+            await self._local_server.stop()
         if self._server is not None:
             await self._server.stop(_STOP_GRACE_S)
         for channel in self._channels.values():
@@ -406,22 +433,30 @@ class GrpcAgent(RpcAgent):
 
     # -------------------------------------------------------------------------- joining
     def _register_join(
-        self, name: str, rank: int, world_size: int, address: str, heartbeat: str
+        self,
+        name: str,
+        rank: int,
+        world_size: int,
+        address: str,
+        heartbeat: str,
+        host: str,
+        local_path: str,
     ) -> str | None:
         if world_size != self.world_size:
             return f"world_size {world_size} differs from the master's {self.world_size}"
         if not 0 <= rank < self.world_size:
             return f"rank {rank} is outside [0, {self.world_size})"
+        joined = (rank, address, heartbeat, host, local_path)
         previous = self._joined.get(name)
         if previous is not None:
-            if previous == (rank, address, heartbeat):
+            if previous == joined:
                 return None  # a retried join
             return f"a worker named {name!r} already joined"
         if any(joined[0] == rank for joined in self._joined.values()):
             return f"rank {rank} already joined"
         if self._all_joined.is_set():
             return "the world is already complete"
-        self._joined[name] = (rank, address, heartbeat)
+        self._joined[name] = joined
         if len(self._joined) == self.world_size:
             self._all_joined.set()
         return None
@@ -429,7 +464,9 @@ class GrpcAgent(RpcAgent):
     def _directory(self) -> list[list[Any]]:
         return [[name, *joined] for name, joined in self._joined.items()]
 
-    async def _join(self, master: str, own_address: str, heartbeat_address: str) -> list[list[Any]]:
+    async def _join(
+        self, master: str, own_address: str, heartbeat_address: str, own_local: tuple[str, str]
+    ) -> list[list[Any]]:
         options = self.options
         request = msgpack.packb(
             {
@@ -438,6 +475,8 @@ class GrpcAgent(RpcAgent):
                 "world_size": self.world_size,
                 "address": own_address,
                 "heartbeat": heartbeat_address,
+                "host": own_local[0],
+                "local": own_local[1],
             }
         )
         join = self._channel(master).unary_unary(f"/{SERVICE}/Join")
@@ -471,11 +510,9 @@ class GrpcAgent(RpcAgent):
             directory = msgpack.unpackb(response)["workers"]
             if not all(
                 isinstance(entry, list)
-                and len(entry) == 4
-                and isinstance(entry[0], str)
+                and len(entry) == 6
                 and isinstance(entry[1], int)
-                and isinstance(entry[2], str)
-                and isinstance(entry[3], str)
+                and all(isinstance(entry[i], str) for i in (0, 2, 3, 4, 5))
                 for entry in directory
             ):
                 raise ValueError("bad entry")
@@ -563,6 +600,7 @@ class GrpcAgent(RpcAgent):
             name, rank = str(joiner["name"]), int(joiner["rank"])
             world_size, address = int(joiner["world_size"]), str(joiner["address"])
             heartbeat = str(joiner["heartbeat"])
+            host, local_path = str(joiner.get("host", "")), str(joiner.get("local", ""))
         except Exception as exc:
             await self._abort(
                 context, grpc.StatusCode.INVALID_ARGUMENT, f"malformed join request: {exc}"
@@ -572,7 +610,7 @@ class GrpcAgent(RpcAgent):
             await self._abort(
                 context, grpc.StatusCode.PERMISSION_DENIED, f"cannot join as {name!r}: {refusal}"
             )
-        refusal = self._register_join(name, rank, world_size, address, heartbeat)
+        refusal = self._register_join(name, rank, world_size, address, heartbeat, host, local_path)
         if refusal is not None:
             await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, refusal)
         try:
@@ -680,11 +718,16 @@ class GrpcAgent(RpcAgent):
             self._budget.release(held)
 
     def _open_stream(self, peer: str) -> OutgoingStream:
-        call = self._stubs.get(peer)
-        if call is None:
-            channel = self._channel(self._addresses[peer])
-            call = self._stubs[peer] = channel.stream_stream(f"/{SERVICE}/Stream")
-        stream = OutgoingStream(self, peer, call(metadata=self._metadata), self._stream_closed)
+        path = self._local_paths.get(peer)
+        if path is not None:  # the same-host channel
+            stream_call: Any = grpc_local.LocalCall(self, peer, path, self._hello)
+        else:
+            call = self._stubs.get(peer)
+            if call is None:
+                channel = self._channel(self._addresses[peer])
+                call = self._stubs[peer] = channel.stream_stream(f"/{SERVICE}/Stream")
+            stream_call = call(metadata=self._metadata)
+        stream = OutgoingStream(self, peer, stream_call, self._stream_closed)
         self._streams[peer] = stream
         return stream
 

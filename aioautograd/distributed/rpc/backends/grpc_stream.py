@@ -343,15 +343,24 @@ class IncomingStream:
             return None
         if self._caller is not None:
             agent._heard_from(self._caller)
+        # Counted from here, not from the task's start: frames read without a loop iteration
+        # between them (the same-host channel) must meet the limit too.
+        agent.served_now += 1
         # A fresh context per call, as a unary handler's: the request sets its own variables.
-        self._tasks[call_id] = agent.loop.create_task(
+        task = agent.loop.create_task(
             self._serve(call_id, message, header), context=contextvars.Context()
         )
+        task.add_done_callback(self._served)
+        self._tasks[call_id] = task
         return None
+
+    def _served(self, task: asyncio.Task[None]) -> None:
+        # Cancelled (perhaps before it started) or failed: no response will be counted.
+        if task.cancelled() or task.exception() is not None:
+            self._agent.served_now -= 1
 
     async def _serve(self, call_id: int, message: wire.Message, header: wire.Header | None) -> None:
         agent = self._agent
-        agent.served_now += 1
         try:
             response = await agent.serve(message, header)
             size = response.nbytes + FRAME.size
@@ -369,9 +378,6 @@ class IncomingStream:
             frame = status_frame(call_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RpcError as exc:  # serve() turns errors into responses; this is a safety net
             frame = status_frame(call_id, grpc.StatusCode.INTERNAL, str(exc))
-        except BaseException:  # cancelled by the caller, or the stream ended: nobody waits
-            agent.served_now -= 1
-            raise
         finally:
             self._tasks.pop(call_id, None)
         self._send(frame, counted=True)  # counted until written

@@ -1,0 +1,342 @@
+"""The grpc backend's same-host channel: two workers on one host call each other over a
+Unix-domain socket, with every promise of the gRPC stream (credentials before any frame is
+read, bounded frames, bound identity, a dead peer failing its calls). Real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import aioautograd as ag
+from aioautograd.distributed import autograd as dist_autograd
+from aioautograd.distributed import rpc
+from aioautograd.distributed.rpc import wire
+from aioautograd.distributed.rpc.backends.grpc import worker_token
+from aioautograd.distributed.rpc.backends.grpc_local import (
+    CHANNEL_ID,
+    HELLO,
+    LENGTH,
+    LocalCall,
+    hello_frame,
+)
+from aioautograd.distributed.rpc.backends.grpc_stream import (
+    FRAME,
+    REQUEST,
+    RESPONSE,
+    STATUS,
+    parse_status,
+)
+from aioautograd.distributed.rpc.registry import name_of
+from tests.distributed import dist_fns, hardening_fns, remote_fns
+from tests.distributed.conftest import (
+    World,
+    in_fresh_context,
+    make_certificates,
+    start_world,
+    tls_setup,
+)
+
+pytestmark = pytest.mark.timeout(90)
+
+MB = 1 << 20
+
+
+def _path(world: World, name: str) -> str:
+    paths: dict[str, str] = world.driver._local_paths  # type: ignore[attr-defined]
+    return paths[name]
+
+
+def _request(call_id: int, src: str, fn: Any, args: list[Any]) -> bytes:
+    fields = {"k": wire.REQUEST, "id": call_id, "src": src, "fn": name_of(fn)}
+    message = wire.encode(fields, [args, {}])[0]
+    return message.to_bytes(lead=FRAME.pack(REQUEST, call_id))
+
+
+def _hello(token: str, worker: str = "driver") -> bytes:
+    return hello_frame((("aioautograd-token", token), ("aioautograd-worker", worker)))
+
+
+async def _raw(path: str, records: list[bytes], replies: int) -> list[bytes]:
+    """Connect to a worker's channel, send ``records`` (length prefix and frame, as given),
+    read up to ``replies`` frames (fewer if the worker closes the channel)."""
+    reader, writer = await asyncio.open_unix_connection(path)
+    received: list[bytes] = []
+
+    async def read() -> None:
+        while len(received) < replies:
+            try:
+                (length,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
+                received.append(await reader.readexactly(length))
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+
+    async def write() -> None:
+        with contextlib.suppress(ConnectionError):  # the worker refused the channel
+            for record in records:
+                writer.write(record)
+                await writer.drain()
+
+    writing = asyncio.ensure_future(write())
+    try:
+        await asyncio.wait_for(read(), 20)
+    finally:
+        writing.cancel()
+        writer.transport.abort()
+    return received
+
+
+def _exists(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def _record(frame: bytes) -> bytes:
+    return LENGTH.pack(len(frame)) + frame
+
+
+def _channel_status(frames: list[bytes]) -> str:
+    assert frames, "the worker sent nothing before closing the channel"
+    assert FRAME.unpack_from(frames[-1]) == (STATUS, CHANNEL_ID)
+    code, details = parse_status(frames[-1])
+    return f"{code.name} {details}"
+
+
+async def test_the_channel_carries_calls_tensors_and_distributed_backward(tmp_path: Path) -> None:
+    await in_fresh_context(lambda: _test_carries(tmp_path))
+
+
+async def _test_carries(tmp_path: Path) -> None:
+    world = await start_world("grpc", tmp_path, n_workers=2)
+    try:
+        driver: Any = world.driver
+        path = _path(world, "worker1")
+        directory = os.path.dirname(path)
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+        assert stat.S_ISSOCK(os.stat(path).st_mode)
+        assert await rpc.rpc_async("worker1", remote_fns.add, args=(2, 3)) == 5
+        assert isinstance(driver._streams["worker1"]._call, LocalCall)
+        # Tensors both ways, small and over the read buffer (one 153 KB and one 8 MB).
+        for shape in ((4,), (600, 64), (1024, 1024)):
+            x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+            echoed = await rpc.rpc_async("worker1", remote_fns.echo, args=(ag.tensor(x),))
+            np.testing.assert_array_equal(echoed.numpy(), x)
+        many = await asyncio.gather(
+            *(rpc.rpc_async("worker2", remote_fns.add, args=(i, 1)) for i in range(200))
+        )
+        assert many == [i + 1 for i in range(200)]
+        # Worker to worker, on the channel too.
+        relayed = await rpc.rpc_async(
+            "worker1", remote_fns.relay, args=("worker2", name_of(remote_fns.whoami))
+        )
+        assert relayed == "worker2"
+        assert await rpc.rpc_async("worker1", remote_fns.stream_transports) == {
+            "driver": "same-host",
+            "worker2": "same-host",
+        }
+
+        # A distributed backward across both workers, against torch.
+        rng = np.random.default_rng(2)
+        x, w0, w1, w2 = (rng.standard_normal(s) for s in ((5, 4), (4, 6), (6, 3), (3, 2)))
+        await rpc.rpc_async("worker1", dist_fns.create_param, args=("w1", w1))
+        await rpc.rpc_async("worker2", dist_fns.create_param, args=("w2", w2))
+        p0 = ag.tensor(w0.copy(), requires_grad=True)
+        async with dist_autograd.context() as context_id:
+            h = (ag.tensor(x) @ p0).tanh()
+            h = await rpc.rpc_async("worker1", dist_fns.linear, args=("w1", h))
+            loss = await rpc.rpc_async("worker2", dist_fns.square_loss, args=("w2", h))
+            await dist_autograd.backward(context_id, [loss])
+            got = [dist_autograd.get_gradients(context_id)[p0].numpy()]
+            for worker, key in (("worker1", "w1"), ("worker2", "w2")):
+                got.append(
+                    await rpc.rpc_async(worker, dist_fns.context_grad, args=(key, context_id))
+                )
+        tw = [torch.tensor(w, requires_grad=True) for w in (w0, w1, w2)]
+        th = torch.tanh(torch.tanh(torch.tensor(x) @ tw[0]) @ tw[1])
+        ((th @ tw[2]) ** 2).mean().backward()
+        for g, t in zip(got, tw, strict=True):
+            assert t.grad is not None
+            np.testing.assert_allclose(g, t.grad.numpy(), rtol=1e-10, atol=1e-12)
+        assert driver._budget.used_calls == 0
+        own = driver._local_server._directory
+        assert own is not None
+        assert _exists(own)
+        assert await world.close() == {"worker1": 0, "worker2": 0}
+        assert not _exists(directory)  # each worker removes its socket's directory
+        assert not _exists(own)
+    finally:
+        world.kill_all()
+
+
+async def test_the_channel_off_leaves_grpc_between_every_pair(tmp_path: Path) -> None:
+    await in_fresh_context(lambda: _test_off(tmp_path))
+
+
+async def _test_off(tmp_path: Path) -> None:
+    off = {"same_host_channel": False}
+    world = await start_world("grpc", tmp_path, n_workers=2, grpc_options=off)
+    try:
+        driver: Any = world.driver
+        assert driver._local_paths == {}
+        relayed = await rpc.rpc_async(
+            "worker1", remote_fns.relay, args=("worker2", name_of(remote_fns.whoami))
+        )
+        assert relayed == "worker2"
+        assert not isinstance(driver._streams["worker1"]._call, LocalCall)
+        assert await rpc.rpc_async("worker1", remote_fns.stream_transports) == {
+            "driver": "grpc",
+            "worker2": "grpc",
+        }
+        assert await world.close() == {"worker1": 0, "worker2": 0}
+    finally:
+        world.kill_all()
+
+
+async def test_mutual_tls_keeps_the_channel_off(tmp_path: Path) -> None:
+    await in_fresh_context(lambda: _test_mutual_tls(tmp_path))
+
+
+async def _test_mutual_tls(tmp_path: Path) -> None:
+    tls = tls_setup(make_certificates(tmp_path), True)
+    world = await start_world("grpc", tmp_path, n_workers=1, tls=tls)
+    try:
+        driver: Any = world.driver
+        assert driver._local_paths == {}
+        assert await rpc.rpc_async("worker1", remote_fns.whoami) == "worker1"
+        assert not isinstance(driver._streams["worker1"]._call, LocalCall)
+        assert await world.close() == {"worker1": 0}
+    finally:
+        world.kill_all()
+
+
+async def test_credentials_are_checked_before_any_other_frame_is_read(tmp_path: Path) -> None:
+    world = await start_world("grpc", tmp_path, n_workers=1)
+    try:
+        assert world.token is not None
+        path = _path(world, "worker1")
+        add = _record(_request(1, "driver", remote_fns.add, [1, 2]))
+        # The right token: served.
+        frames = await _raw(path, [_record(_hello(world.token)), add], 1)
+        assert [FRAME.unpack_from(frame) for frame in frames] == [(RESPONSE, 1)]
+        # A wrong token, no credentials first, credentials over the 4 KiB bound: refused.
+        frames = await _raw(path, [_record(_hello("wrong")), add], 2)
+        assert len(frames) == 1
+        status = _channel_status(frames)
+        assert status.startswith("UNAUTHENTICATED"), status
+        assert "invalid or missing RPC token" in status
+        frames = await _raw(path, [add], 2)
+        assert _channel_status(frames).startswith("UNAUTHENTICATED")
+        assert "must carry its credentials" in _channel_status(frames)
+        huge_hello = LENGTH.pack(1 << 30) + FRAME.pack(HELLO, 0)
+        status = _channel_status(await _raw(path, [huge_hello], 2))
+        assert status.startswith("RESOURCE_EXHAUSTED"), status
+        # Bodies behind a wrong token are never read: 8 channels offering 16 MB each.
+        before = await rpc.rpc_async("worker1", hardening_fns.memory_mb)
+        body = _record(FRAME.pack(REQUEST, 1) + b"\0" * (16 * MB))
+        outcomes = await asyncio.gather(
+            *(_raw(path, [_record(_hello("wrong")), body], 2) for _ in range(8))
+        )
+        for frames in outcomes:
+            assert _channel_status(frames).startswith("UNAUTHENTICATED")
+        after = await rpc.rpc_async("worker1", hardening_fns.memory_mb)
+        assert after["VmHWM"] - before["VmHWM"] < 16, (before, after)
+        assert await rpc.rpc_async("worker1", remote_fns.add, args=(1, 2)) == 3
+        assert await world.close() == {"worker1": 0}
+    finally:
+        world.kill_all()
+
+
+async def test_frames_over_max_message_size_are_refused_unread(tmp_path: Path) -> None:
+    world = await start_world("grpc", tmp_path, n_workers=1, grpc_options={"max_message_size": MB})
+    try:
+        assert world.token is not None
+        path = _path(world, "worker1")
+        before = await rpc.rpc_async("worker1", hardening_fns.memory_mb)
+        # A declared length over the limit: refused from the length alone.
+        oversize = LENGTH.pack(64 * MB) + FRAME.pack(REQUEST, 1)
+        status = _channel_status(await _raw(path, [_record(_hello(world.token)), oversize], 2))
+        assert status.startswith("RESOURCE_EXHAUSTED"), status
+        assert f"exceeds the limit of {MB} bytes" in status
+        # Just under the limit: served (the bound is the declared length, frame included).
+        ok = ag.tensor(np.zeros((MB - 4096) // 4, dtype=np.float32))
+        echoed = await rpc.rpc_async("worker1", remote_fns.echo, args=(ok,))
+        assert echoed.shape == ok.shape
+        # The sender refuses a message over the limit itself, and its channel lives on.
+        big = ag.tensor(np.zeros(MB // 2, dtype=np.float64))
+        with pytest.raises(rpc.RpcLimitError, match="max_message_size"):
+            await rpc.rpc_async("worker1", remote_fns.echo, args=(big,))
+        # A result over the limit fails its call only.
+        with pytest.raises(rpc.RpcLimitError, match="exceeds max_message_size"):
+            await rpc.rpc_async("worker1", remote_fns.make_tensor, args=(MB,))
+        assert await rpc.rpc_async("worker1", remote_fns.add, args=(1, 2)) == 3
+        after = await rpc.rpc_async("worker1", hardening_fns.memory_mb)
+        assert after["VmHWM"] - before["VmHWM"] < 16, (before, after)
+        assert await world.close() == {"worker1": 0}
+    finally:
+        world.kill_all()
+
+
+async def test_a_channel_binds_its_sender_identity(tmp_path: Path) -> None:
+    world = await start_world("grpc", tmp_path, n_workers=2, grpc_options={"identity": "token"})
+    try:
+        secret = world.token
+        assert secret is not None
+        path = _path(world, "worker1")
+        as_worker2 = _record(_hello(worker_token(secret, "worker2"), "worker2"))
+        honest = _record(_request(1, "worker2", remote_fns.add, [1, 2]))
+        frames = await _raw(path, [as_worker2, honest], 1)
+        assert [FRAME.unpack_from(frame) for frame in frames] == [(RESPONSE, 1)]
+        forged = _record(_request(2, "driver", remote_fns.sleep, [30]))
+        frames = await _raw(path, [as_worker2, honest, forged], 3)
+        status = _channel_status(frames)
+        assert status.startswith("PERMISSION_DENIED"), status
+        assert "claims to come from 'driver'" in status
+        # worker2's token under another name opens nothing.
+        claims_driver = _record(_hello(worker_token(secret, "worker2"), "driver"))
+        assert _channel_status(await _raw(path, [claims_driver, honest], 2)).startswith(
+            "UNAUTHENTICATED"
+        )
+        assert await rpc.rpc_async("worker1", remote_fns.whoami) == "worker1"
+        assert await world.close() == {"worker1": 0, "worker2": 0}
+    finally:
+        world.kill_all()
+
+
+async def test_a_dead_peer_fails_its_calls_and_a_broken_channel_reopens(tmp_path: Path) -> None:
+    await in_fresh_context(lambda: _test_dead_peer(tmp_path))
+
+
+async def _test_dead_peer(tmp_path: Path) -> None:
+    world = await start_world("grpc", tmp_path, n_workers=2)
+    try:
+        driver: Any = world.driver
+        assert await rpc.rpc_async("worker1", remote_fns.add, args=(1, 1)) == 2
+        stream = driver._streams["worker1"]
+        assert isinstance(stream._call, LocalCall)
+        # The channel breaks under a pending call: the call fails naming the peer, and the
+        # next call opens a new channel.
+        pending = asyncio.ensure_future(rpc.rpc_async("worker1", remote_fns.sleep, args=(20,)))
+        await asyncio.sleep(0.3)
+        stream._call.cancel()
+        with pytest.raises(rpc.WorkerUnavailableError, match="worker 'worker1'"):
+            await asyncio.wait_for(pending, 10)
+        assert await rpc.rpc_async("worker1", remote_fns.add, args=(4, 5)) == 9
+        assert driver._streams["worker1"] is not stream
+        # A killed process: the calls in flight fail at once, naming it.
+        killed = asyncio.ensure_future(rpc.rpc_async("worker2", remote_fns.sleep, args=(20,)))
+        await asyncio.sleep(0.3)
+        world.procs["worker2"].kill()
+        with pytest.raises(rpc.WorkerUnavailableError, match="worker 'worker2'"):
+            await asyncio.wait_for(killed, 10)
+        with pytest.raises(rpc.WorkerUnavailableError, match="worker2"):
+            await rpc.rpc_async("worker2", remote_fns.add, args=(1, 2))
+        assert driver._budget.used_calls == 0
+    finally:
+        world.kill_all()
+        await world.close(graceful=False)
