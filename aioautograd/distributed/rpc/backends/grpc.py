@@ -9,6 +9,10 @@ One generic service (bytes in, bytes out; no protoc):
   it calls and sends its requests on it; the peer answers on the same stream, matched by id
   (:mod:`.grpc_stream`). Cancelling a caller (or its timeout) cancels the handler on the
   callee; a broken stream fails its pending calls and the next call opens a new one.
+  Two workers on one host (the same host id in the directory: kernel boot, mount
+  namespace, user) carry these frames over a Unix-domain socket instead
+  (:mod:`.grpc_local`, ``GrpcOptions.same_host_channel``), with the same credentials,
+  limits and failures; gRPC stays the transport between hosts, for heartbeats and joins.
 - ``Call``: the same request as a unary call, one framed
   :class:`~aioautograd.distributed.rpc.wire.Message` in, the response out (for tools; the
   workers themselves use ``Stream``).

@@ -254,25 +254,36 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 self.transport.resume_reading()
         return frame
 
-    async def write(self, frame: bytes) -> None:
-        """Send one frame; waits while the socket's buffer is full."""
+    def write_nowait(self, frame: bytes) -> bool:
+        """Send one frame if the socket's buffer has room (``False``: it was not sent)."""
         transport = self.transport
-        if self.error is not None:
-            raise self.error
-        if transport is None or transport.is_closing():
-            raise ConnectionResetError("the channel is closed")
+        if self._paused_writing or self.error is not None or transport is None:
+            return False
+        if transport.is_closing():
+            return False
         length = LENGTH.pack(len(frame))
         if len(frame) < _JOIN_BELOW:
             transport.write(length + frame)
         else:
             transport.write(length)
             transport.write(frame)
-        while self._paused_writing and not transport.is_closing():
+        return True
+
+    async def write(self, frame: bytes) -> None:
+        """Send one frame; waits while the socket's buffer is full."""
+        while self._paused_writing and self.error is None:
+            transport = self.transport
+            if transport is None or transport.is_closing():
+                break
             self._drained = asyncio.get_running_loop().create_future()
             try:
                 await self._drained
             finally:
                 self._drained = None
+        if self.error is not None:
+            raise self.error
+        if not self.write_nowait(frame):
+            raise ConnectionResetError("the channel is closed")
 
     @property
     def refused(self) -> bool:
@@ -312,6 +323,7 @@ class LocalCall:
         self._peer = peer
         self._protocol = FrameProtocol(agent.options.max_message_size, server=False)
         self._cancelled = False
+        self._ready = False  # connected, credentials sent
         self._connecting = agent.loop.create_task(
             self._connect(path, hello), context=contextvars.Context()
         )
@@ -327,6 +339,7 @@ class LocalCall:
                 f"({type(exc).__name__}: {exc})",
             ) from None
         await self._protocol.write(hello)
+        self._ready = True
 
     async def _connected(self) -> FrameProtocol:
         if not self._connecting.done():
@@ -335,6 +348,10 @@ class LocalCall:
         if self._cancelled:
             raise asyncio.InvalidStateError("the call was cancelled")
         return self._protocol
+
+    def write_nowait(self, frame: bytes) -> bool:
+        """Send ``frame`` at once if the channel is ready and has room."""
+        return self._ready and not self._cancelled and self._protocol.write_nowait(frame)
 
     async def write(self, frame: bytes) -> None:
         protocol = await self._connected()
@@ -399,6 +416,9 @@ class LocalContext:
 
     async def write(self, frame: bytes) -> None:
         await self._protocol.write(frame)
+
+    def write_nowait(self, frame: bytes) -> bool:
+        return self._protocol.write_nowait(frame)
 
     async def abort(self, code: Any, details: str) -> None:
         self._protocol.refuse(code, details)

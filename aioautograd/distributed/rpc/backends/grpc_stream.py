@@ -14,6 +14,13 @@ the stream) and, for requests and responses, a framed :class:`~.wire.Message`::
 A unary call costs grpc.aio about twice a message on a stream that is already open (the call
 set-up, its metadata and its status), which is why calls travel this way.
 
+The classes here need only the surface of a ``grpc.aio`` stream call (``read``, ``write``,
+``done_writing``, ``cancel``) and of a servicer context (``read``, ``write``, ``abort``, its
+metadata): the same-host channel (:mod:`.grpc_local`) carries the same frames over a
+Unix-domain socket through adapters with that surface, whose ``write_nowait`` lets a frame
+be written at once when the writer task is idle (a socket's write never blocks the loop;
+gRPC's start of a write can, which is why gRPC frames always go through the writer task).
+
 Credentials are checked once, when a stream opens (the server interceptor reads the stream's
 metadata before any message), and the sender's identity is bound to the stream: with
 ``identity="token"`` or ``"tls"`` a request claiming another sender aborts the stream with
@@ -92,6 +99,9 @@ class OutgoingStream:
         self._queue: collections.deque[bytes | None] = collections.deque()
         self._wakeup: asyncio.Future[None] | None = None
         self._closed = False
+        # A transport whose writes never block (the same-host channel) takes a frame at once
+        # when the writer is idle: no wake-up of the writer task per frame.
+        self._write_now: Callable[[bytes], bool] | None = getattr(call, "write_nowait", None)
         loop = agent.loop
         # Fresh contexts: these tasks outlive the call that opened the stream.
         self._writer = loop.create_task(self._write(), context=contextvars.Context())
@@ -146,10 +156,13 @@ class OutgoingStream:
                 self._send(FRAME.pack(CANCEL, call_id))
 
     def _send(self, frame: bytes | None) -> None:
-        self._queue.append(frame)
         wakeup = self._wakeup
-        if wakeup is not None and not wakeup.done():
-            wakeup.set_result(None)
+        idle = wakeup is not None and not wakeup.done()
+        if idle and frame is not None and self._write_now is not None and self._write_now(frame):
+            return
+        self._queue.append(frame)
+        if idle:
+            wakeup.set_result(None)  # type: ignore[union-attr]
 
     async def _write(self) -> None:
         call, queue, loop = self._call, self._queue, self._agent.loop
@@ -275,6 +288,7 @@ class IncomingStream:
         self._queue: collections.deque[tuple[bytes, bool]] = collections.deque()
         self._wakeup: asyncio.Future[None] | None = None
         self._ended = False
+        self._write_now: Callable[[bytes], bool] | None = getattr(context, "write_nowait", None)
 
     async def run(self) -> None:
         """Serve until the peer stops writing or the stream breaks."""
@@ -384,6 +398,16 @@ class IncomingStream:
 
     def _send(self, frame: bytes, counted: bool = False) -> None:
         if self._ended:  # nobody to write to any more
+            if counted:
+                self._agent.served_now -= 1
+            return
+        wakeup = self._wakeup
+        if (
+            wakeup is not None
+            and not wakeup.done()
+            and self._write_now is not None
+            and self._write_now(frame)
+        ):
             if counted:
                 self._agent.served_now -= 1
             return
