@@ -14,8 +14,10 @@ prints one JSON line with what it measured:
 - ``many_buffers`` / ``many_kwargs``: one 8 MB message (with the token) that declares 1M
   empty arrays / 1M keyword arguments; the answer and the worker's memory;
 
-  these three send raw bytes: as one frame on a ``Stream`` (the path the workers' calls take,
-  ``--raw stream``, the default) or as a unary ``Call`` (``--raw call``);
+  these three send raw bytes: as one frame on a ``Stream`` (the path of calls between
+  hosts, ``--raw stream``, the default), as a unary ``Call`` (``--raw call``), or as one
+  frame on the worker's same-host channel, after its credentials frame (``--raw local``:
+  the path of calls between workers on one host);
 - ``concurrent_8mb``: 2,000 concurrent calls with an 8 MB tensor each; whether all finish,
   the time, the driver's peak bytes in flight and both processes' peak memory;
 - ``busy_loop``: a 7 s synchronous step on the driver's loop (default heartbeats: 1 s, dead
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import resource
 import struct
@@ -47,6 +50,7 @@ import numpy as np  # noqa: E402
 import aioautograd as ag  # noqa: E402
 from aioautograd.distributed import rpc  # noqa: E402
 from aioautograd.distributed.rpc import wire  # noqa: E402
+from aioautograd.distributed.rpc.backends.grpc_local import LENGTH, hello_frame  # noqa: E402
 from aioautograd.distributed.rpc.backends.grpc_stream import FRAME, REQUEST, parse_status  # noqa: E402
 from benchmarks.rpc import spawn_grpc_worker  # noqa: E402
 
@@ -87,7 +91,39 @@ async def dead() -> dict[str, str]:
 RAW = "stream"  # or "call" (--raw)
 
 
+async def _raw_local(path: str, data: bytes, token: str) -> str:
+    # One frame on the same-host channel, after the credentials frame; the first frame back.
+    reader, writer = await asyncio.open_unix_connection(path)
+    hello = hello_frame((("aioautograd-token", token),))
+    frame = FRAME.pack(REQUEST, 1) + data
+
+    async def send() -> None:
+        with contextlib.suppress(ConnectionError):
+            for part in (LENGTH.pack(len(hello)) + hello, LENGTH.pack(len(frame)), frame):
+                writer.write(part)
+                await writer.drain()
+
+    sending = asyncio.ensure_future(send())
+    try:
+        (length,) = LENGTH.unpack(await asyncio.wait_for(reader.readexactly(4), 120))
+        reply = await reader.readexactly(length)
+    except (asyncio.IncompleteReadError, ConnectionError) as exc:
+        return f"channel closed: {type(exc).__name__}"
+    finally:
+        sending.cancel()
+        writer.transport.abort()
+    if reply[0] != 1:
+        code, details = parse_status(reply)
+        return f"{code.name} frame: {details[:120]}"
+    header = wire.decode_header(wire.Message.from_bytes(memoryview(reply)[FRAME.size :]))
+    if header.error is not None:
+        return f"error response: {header.error['message'][:120]}"
+    return "OK"
+
+
 async def _raw(address: str, data: bytes, token: str) -> str:
+    if RAW == "local":
+        return await _raw_local(address, data, token)
     options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
     metadata = (("aioautograd-token", token),)
     async with grpc.aio.insecure_channel(address, options=options) as channel:
@@ -204,7 +240,8 @@ async def _driver(attacks: list[str]) -> int:
     token = options.token
     try:
         agent = await rpc.init_rpc("driver", 0, 2, "grpc", options=options)
-        address = agent._addresses["worker1"]  # type: ignore[attr-defined]
+        addresses = agent._local_paths if RAW == "local" else agent._addresses  # type: ignore[attr-defined]
+        address = addresses["worker1"]
         for attack in attacks:
             if attack == "unauthenticated":
                 await _unauthenticated(address, token)
@@ -236,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(ATTACKS), help="attacks to run, by name")
     parser.add_argument(
-        "--raw", choices=("stream", "call"), default="stream", help="how raw bytes travel"
+        "--raw", choices=("stream", "call", "local"), default="stream", help="how raw bytes travel"
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
