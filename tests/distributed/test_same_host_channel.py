@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from aioautograd.distributed.rpc.backends.grpc_local import (
     LENGTH,
     LocalCall,
     hello_frame,
+    host_id,
 )
 from aioautograd.distributed.rpc.backends.grpc_stream import (
     FRAME,
@@ -340,3 +343,55 @@ async def _test_dead_peer(tmp_path: Path) -> None:
     finally:
         world.kill_all()
         await world.close(graceful=False)
+
+
+def test_the_environment_can_turn_the_channel_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIOAUTOGRAD_SAME_HOST_CHANNEL", "0")
+    assert not rpc.GrpcOptions(master_port=1, token="t").resolved().same_host_channel
+    monkeypatch.setenv("AIOAUTOGRAD_SAME_HOST_CHANNEL", "1")
+    assert rpc.GrpcOptions(master_port=1, token="t").resolved().same_host_channel
+    off = rpc.GrpcOptions(master_port=1, token="t", same_host_channel=False)
+    assert not off.resolved().same_host_channel
+
+
+def test_processes_on_one_host_share_a_host_id() -> None:
+    own = host_id()
+    assert own is not None
+    assert len(own) == 32
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from aioautograd.distributed.rpc.backends import grpc_local;"
+            "print(grpc_local.host_id())",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert child.stdout.strip() == own
+
+
+async def test_a_worker_without_a_socket_falls_back_to_grpc(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await in_fresh_context(lambda: _test_fallback(tmp_path, monkeypatch))
+
+
+async def _test_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A socket path over the platform's limit (108 bytes on Linux): no channel, gRPC instead.
+    long_dir = tmp_path / ("x" * 120)
+    long_dir.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(long_dir))
+    world = await start_world("grpc", tmp_path, n_workers=1)
+    try:
+        driver: Any = world.driver
+        assert driver._local_paths == {}
+        assert driver._local_server is None
+        assert await rpc.rpc_async("worker1", remote_fns.whoami) == "worker1"
+        assert not isinstance(driver._streams["worker1"]._call, LocalCall)
+        assert await world.close() == {"worker1": 0}
+    finally:
+        world.kill_all()
