@@ -47,6 +47,7 @@ import shutil
 import socket
 import struct
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,7 @@ from aioautograd.distributed.rpc.backends.grpc_stream import (
     parse_status,
     status_frame,
 )
+from aioautograd.distributed.rpc.errors import MalformedMessageError
 
 if TYPE_CHECKING:
     from aioautograd.distributed.rpc.backends.grpc import GrpcAgent
@@ -127,6 +129,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         # A server reads one frame (the credentials) until open() lets it read on.
         self._gated = server
+        # deliver_to's receiver, and what stopped it: ("result", value) or ("error", exc).
+        self._receiver: Callable[[bytes | bytearray], Any] | None = None
+        self._outcome: tuple[str, Any] | None = None
 
     # ------------------------------------------------------------------ asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -194,10 +199,28 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def _deliver(self, frame: bytes | bytearray) -> None:
         if self.error is not None:
             return
+        receiver = self._receiver
+        if receiver is not None:
+            try:
+                result = receiver(frame)
+            except Exception as exc:
+                self._stop_receiver(("error", exc))
+                return
+            if result is not None:
+                self._stop_receiver(("result", result))
+            return
         frames = self._frames
         frames.append(frame)
         if len(frames) > _MAX_QUEUED and not self._paused_reading and self.transport is not None:
             self._paused_reading = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def _stop_receiver(self, outcome: tuple[str, Any]) -> None:
+        self._receiver = None
+        self._outcome = outcome
+        if not self._paused_reading and self.transport is not None:
+            self._paused_reading = True  # the channel ends: read nothing more
             self.transport.pause_reading()
         self._wake()
 
@@ -253,6 +276,43 @@ class FrameProtocol(asyncio.BufferedProtocol):
             if self.transport is not None:
                 self.transport.resume_reading()
         return frame
+
+    async def deliver_to(self, receiver: Callable[[bytes | bytearray], Any]) -> Any:
+        """Hand every frame to ``receiver`` as it arrives, in the socket's callback (no task
+        woken per frame), until it returns something else than ``None``: returns that, or
+        ``None`` at the end of the peer's frames.
+
+        Raises:
+            Exception: what ``receiver`` raised, or :attr:`error` once the channel failed.
+        """
+        frames = self._frames
+        while frames:
+            result = receiver(frames.popleft())
+            if result is not None:
+                return result
+        if self._paused_reading and self.error is None:
+            self._paused_reading = False
+            if self.transport is not None:
+                self.transport.resume_reading()
+        self._outcome = None
+        self._receiver = receiver
+        try:
+            while self._outcome is None:
+                if self.error is not None:
+                    raise self.error
+                if self._eof:
+                    return None
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            kind, value = self._outcome
+            if kind == "error":
+                raise value
+            return value
+        finally:
+            self._receiver = None
 
     def write_nowait(self, frame: bytes) -> bool:
         """Send one frame if the socket's buffer has room (``False``: it was not sent)."""
@@ -362,6 +422,33 @@ class LocalCall:
         except Exception as exc:
             raise self._broken(exc) from None
 
+    async def deliver_to(self, receiver: Callable[[bytes | bytearray], None]) -> None:
+        """Hand every frame to ``receiver`` as it arrives; returns at the end of the
+        callee's frames (the stream module's reader, without a task woken per frame)."""
+        protocol = await self._connected()
+
+        def receive(frame: bytes | bytearray) -> None:
+            self._check_refusal(frame)
+            receiver(frame)
+
+        try:
+            await protocol.deliver_to(receive)
+        except (grpc.aio.AioRpcError, MalformedMessageError):
+            raise
+        except Exception as exc:
+            raise self._broken(exc) from None
+
+    def _check_refusal(self, frame: bytes | bytearray) -> None:
+        if (
+            frame
+            and frame[0] == STATUS
+            and len(frame) >= FRAME.size
+            and FRAME.unpack_from(frame)[1] == CHANNEL_ID
+        ):
+            code, details = parse_status(bytes(frame))
+            self.cancel()
+            raise _rpc_error(code, details)
+
     async def read(self) -> Any:
         protocol = await self._connected()
         try:
@@ -372,15 +459,7 @@ class LocalCall:
             raise self._broken(exc) from None
         if frame is None:
             return grpc.aio.EOF
-        if (
-            frame
-            and frame[0] == STATUS
-            and len(frame) >= FRAME.size
-            and FRAME.unpack_from(frame)[1] == CHANNEL_ID
-        ):
-            code, details = parse_status(bytes(frame))
-            self.cancel()
-            raise _rpc_error(code, details)
+        self._check_refusal(frame)
         return frame
 
     def _broken(self, exc: Exception) -> grpc.aio.AioRpcError:
@@ -416,6 +495,9 @@ class LocalContext:
 
     async def write(self, frame: bytes) -> None:
         await self._protocol.write(frame)
+
+    async def deliver_to(self, receiver: Callable[[bytes | bytearray], Any]) -> Any:
+        return await self._protocol.deliver_to(receiver)
 
     def write_nowait(self, frame: bytes) -> bool:
         return self._protocol.write_nowait(frame)

@@ -189,20 +189,28 @@ class OutgoingStream:
         except Exception as exc:  # anything else gRPC raises: never leave calls waiting
             self._fail(functools.partial(self._broken_error, exc))
 
+    def _receive(self, data: bytes) -> None:
+        if len(data) < FRAME.size or data[0] not in (RESPONSE, STATUS):
+            raise MalformedMessageError(f"malformed stream frame from worker {self.peer!r}")
+        self._agent._heard_from(self.peer)
+        future = self._pending.pop(FRAME.unpack_from(data)[1], None)
+        if future is not None and not future.done():
+            future.set_result(data)
+
     async def _read(self) -> None:
-        call, pending, peer = self._call, self._pending, self.peer
-        heard_from = self._agent._heard_from
+        call, peer = self._call, self.peer
+        # A transport that can hand frames over in its own callback (the same-host channel)
+        # does, without waking this task per frame.
+        deliver_to = getattr(call, "deliver_to", None)
         try:
-            while True:
-                data = await call.read()
-                if data is grpc.aio.EOF:
-                    break
-                if len(data) < FRAME.size or data[0] not in (RESPONSE, STATUS):
-                    raise MalformedMessageError(f"malformed stream frame from worker {peer!r}")
-                heard_from(peer)
-                future = pending.pop(FRAME.unpack_from(data)[1], None)
-                if future is not None and not future.done():
-                    future.set_result(data)
+            if deliver_to is not None:
+                await deliver_to(self._receive)
+            else:
+                while True:
+                    data = await call.read()
+                    if data is grpc.aio.EOF:
+                        break
+                    self._receive(data)
         except grpc.aio.AioRpcError as exc:
             self._fail(functools.partial(self._stream_error, exc))
             return
@@ -295,6 +303,13 @@ class IncomingStream:
         agent, context = self._agent, self._context
         writer = agent.loop.create_task(self._write(), context=contextvars.Context())
         try:
+            deliver_to = getattr(context, "deliver_to", None)
+            if deliver_to is not None:  # frames dispatched in the transport's callback
+                refusal = await deliver_to(self._dispatch)
+                if refusal is not None:
+                    await self._stop_writer(writer)
+                    await agent._abort(context, *refusal)
+                return
             while True:
                 data = await context.read()
                 if data is grpc.aio.EOF:
