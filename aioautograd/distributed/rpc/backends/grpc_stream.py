@@ -17,9 +17,11 @@ set-up, its metadata and its status), which is why calls travel this way.
 The classes here need only the surface of a ``grpc.aio`` stream call (``read``, ``write``,
 ``done_writing``, ``cancel``) and of a servicer context (``read``, ``write``, ``abort``, its
 metadata): the same-host channel (:mod:`.grpc_local`) carries the same frames over a
-Unix-domain socket through adapters with that surface, whose ``write_nowait`` lets a frame
-be written at once when the writer task is idle (a socket's write never blocks the loop;
-gRPC's start of a write can, which is why gRPC frames always go through the writer task).
+Unix-domain socket through adapters with that surface, plus two shortcuts: ``write_nowait``
+writes a frame at once when the writer task is idle (a socket's write never blocks the loop;
+gRPC's start of a write can, which is why gRPC frames always go through the writer task),
+and ``deliver_to`` hands each frame over in the socket's read callback instead of waking a
+reader task per frame.
 
 Credentials are checked once, when a stream opens (the server interceptor reads the stream's
 metadata before any message), and the sender's identity is bound to the stream: with
