@@ -6,7 +6,7 @@ stream, as TensorPipe picks shared memory over TCP on one host: a round trip the
 gRPC core's threads (its event engine, its completion-queue poller) on both sides. gRPC
 stays the transport between hosts and whenever the channel is off
 (``GrpcOptions.same_host_channel=False``, or mutual TLS, whose certificate identity a Unix
-socket cannot carry).
+socket cannot carry) or a worker could not listen on a socket (it then advertises none).
 
 The frames and their handling are :mod:`.grpc_stream`'s, unchanged: :class:`LocalCall` and
 :class:`LocalContext` give a socket the surface of a ``grpc.aio`` stream call and of a
@@ -22,7 +22,7 @@ What the gRPC path promises holds here:
 - The socket lives in a private directory (mode 0700) of the worker's user; the callee
   also checks the caller's user (``SO_PEERCRED``). Its credentials (the token, the worker
   name it is bound to with ``identity="token"``) come in the first frame, of at most
-  4 KiB, within a few seconds; until they are checked, no other frame is read.
+  4 KiB, within 10 s; until they are checked, no other frame is read.
 - Each frame's declared length is checked against ``max_message_size`` before its body is
   read (a larger one refuses the channel with ``RESOURCE_EXHAUSTED``).
 - Calls served and responses waiting are bounded by :class:`~.grpc_stream.IncomingStream`
