@@ -110,12 +110,15 @@ class Device:
     Use :func:`device` to obtain one; it parses PyTorch-style strings.
     """
 
-    __slots__ = ("backend", "index", "type", "xp")
+    __slots__ = ("backend", "fused", "index", "type", "xp")
 
     type: str
     index: int | None
     backend: Backend
     xp: Any
+    #: The backend's fused kernels (``Backend.fused``), read per update: one slot read
+    #: instead of an attribute looked up through the backend's class.
+    fused: FusedKernels | None
 
     def __new__(cls, type: str, index: int | None = None) -> Device:
         global _stream_devices
@@ -133,6 +136,7 @@ class Device:
                 dev.index = index
                 dev.backend = backend
                 dev.xp = backend.xp
+                dev.fused = backend.fused
                 _cache[key] = dev
                 if backend.has_streams:
                     _stream_devices = (*_stream_devices, dev)

@@ -81,8 +81,12 @@ def enter_graph_task(graph_task: GraphTask) -> None:
     """Make the current context run ``graph_task``'s nodes: its grad mode (``create_graph``),
     its anomaly mode and ``current_graph_task``."""
     current_graph_task.set(graph_task)
-    _grad_enabled.set(graph_task.grad_mode)
-    _anomaly.set(graph_task.anomaly)
+    # Set only what differs (a set costs a new context mapping; the caller's anomaly mode,
+    # which a top-level task copies, and often its grad mode, are the task's already).
+    if _grad_enabled.get() is not graph_task.grad_mode:
+        _grad_enabled.set(graph_task.grad_mode)
+    if _anomaly.get() is not graph_task.anomaly:
+        _anomaly.set(graph_task.anomaly)
 
 
 @dataclass(slots=True)

@@ -21,10 +21,11 @@ the executors from its first node.
 
 from __future__ import annotations
 
+import contextvars
 import heapq
 import math
 import time
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy
 
@@ -38,6 +39,32 @@ from aioautograd.engine.ready_queue import NodeTask
 if TYPE_CHECKING:
     from aioautograd.autograd.node import Node
     from aioautograd.engine.graph_task import GraphTask
+
+try:  # NumPy 2: the error state is this context variable (1.26 keeps it per thread)
+    from numpy._core._ufunc_config import (  # type: ignore[attr-defined,unused-ignore]
+        _extobj_contextvar as _numpy_error_state,
+    )
+except ImportError:  # pragma: no cover (NumPy 1.26)
+    _numpy_error_state = None
+# (the caller's NumPy error state, the same with NUMPY_ERRORS): ``numpy.errstate`` costs
+# ~9k instructions per inline pass (an object, Python __enter__/__exit__, the state built
+# anew), a cached state set and reset ~1k. Keyed by the caller's state object (held here,
+# so its identity cannot be reused): its buffer size and error callback are kept.
+_inline_error_state: tuple[Any, Any] | None = None
+
+
+def _enter_numpy_errors() -> contextvars.Token[Any]:
+    """Set NumPy's error state to ``NUMPY_ERRORS`` (NumPy 2); reset with the token."""
+    global _inline_error_state
+    assert _numpy_error_state is not None
+    caller = _numpy_error_state.get()
+    cached = _inline_error_state
+    if cached is None or cached[0] is not caller:
+        with numpy.errstate(all=NUMPY_ERRORS):
+            cached = (caller, _numpy_error_state.get())
+        _inline_error_state = cached
+    token: contextvars.Token[Any] = _numpy_error_state.set(cached[1])
+    return token
 
 
 def qualifies(task: NodeTask, max_elements: int, max_flops: float) -> bool:
@@ -177,52 +204,68 @@ def run_inline(graph_task: GraphTask, first: NodeTask, budget_s: float) -> bool:
         engine.push(first, buffer_device(first.inputs))
         return False
     deadline = time.perf_counter() + budget_s
-    heap: list[tuple[int, int, NodeTask]] = []
-    pushed = 0
-    task: NodeTask | None = first
-    with numpy.errstate(all=NUMPY_ERRORS):  # as on the executors: see policy.NUMPY_ERRORS
-        while task is not None:
-            node = task.node
-            if not node._plain and node.is_async:
-                graph_task.expect_completion_elsewhere()  # its continuation finishes the pass
-            # ``reuse``: nothing here holds ``task`` once evaluated (the heap entry is gone).
-            made = evaluate_function(task, CPU, True)
-            task = None
-            ready: list[NodeTask] | None = None
-            if type(made) is NodeTask:
-                if not heap and buffer_device(made.inputs).type == "cpu":
-                    task = made  # a chain: the one successor runs next, without the heap
-                else:
-                    ready = [made]
-            elif made is not None:
-                ready = made  # type: ignore[assignment]  # (not a NodeTask: the list)
-            if ready is not None:
-                for successor in ready:
-                    # buffer_device's common case inline; no local may hold the gradient
-                    # (its reference count decides whether AccumulateGrad steals it)
-                    inputs = successor.inputs
-                    device = (
-                        inputs[0].device
-                        if inputs and inputs[0] is not None
-                        else buffer_device(inputs)
-                    )
-                    if device.type == "cpu":
-                        pushed += 1
-                        heapq.heappush(heap, (-successor.key, pushed, successor))
-                    else:
-                        graph_task.expect_completion_elsewhere()
-                        engine.push(successor, device)
-            if task is None:
-                if not heap:
-                    break
-                task = heapq.heappop(heap)[2]
-            if time.perf_counter() > deadline or not qualifies(task, max_elements, max_flops):
-                pushed += 1
-                heapq.heappush(heap, (-task.key, pushed, task))
-                break
+    # As on the executors: see policy.NUMPY_ERRORS.
+    if _numpy_error_state is None:  # pragma: no cover (NumPy 1.26)
+        with numpy.errstate(all=NUMPY_ERRORS):
+            heap = _run_tasks(graph_task, first, deadline, max_elements, max_flops)
+    else:
+        token = _enter_numpy_errors()
+        try:
+            heap = _run_tasks(graph_task, first, deadline, max_elements, max_flops)
+        finally:
+            _numpy_error_state.reset(token)
     if heap:
         graph_task.expect_completion_elsewhere()
         for _, _, left in heap:
             engine.push(left, CPU)
         return False
     return graph_task.completed
+
+
+def _run_tasks(
+    graph_task: GraphTask, first: NodeTask, deadline: float, max_elements: int, max_flops: float
+) -> list[tuple[int, int, NodeTask]]:
+    """``run_inline``'s loop: run ``first`` and the CPU tasks it makes ready while they
+    qualify; return the heap of those left (empty when none is)."""
+    engine = graph_task.engine
+    heap: list[tuple[int, int, NodeTask]] = []
+    pushed = 0
+    task: NodeTask | None = first
+    while task is not None:
+        node = task.node
+        if not node._plain and node.is_async:
+            graph_task.expect_completion_elsewhere()  # its continuation finishes the pass
+        # ``reuse``: nothing here holds ``task`` once evaluated (the heap entry is gone).
+        made = evaluate_function(task, CPU, True)
+        task = None
+        ready: list[NodeTask] | None = None
+        if type(made) is NodeTask:
+            if not heap and buffer_device(made.inputs).type == "cpu":
+                task = made  # a chain: the one successor runs next, without the heap
+            else:
+                ready = [made]
+        elif made is not None:
+            ready = made  # type: ignore[assignment]  # (not a NodeTask: the list)
+        if ready is not None:
+            for successor in ready:
+                # buffer_device's common case inline; no local may hold the gradient
+                # (its reference count decides whether AccumulateGrad steals it)
+                inputs = successor.inputs
+                device = (
+                    inputs[0].device if inputs and inputs[0] is not None else buffer_device(inputs)
+                )
+                if device.type == "cpu":
+                    pushed += 1
+                    heapq.heappush(heap, (-successor.key, pushed, successor))
+                else:
+                    graph_task.expect_completion_elsewhere()
+                    engine.push(successor, device)
+        if task is None:
+            if not heap:
+                break
+            task = heapq.heappop(heap)[2]
+        if time.perf_counter() > deadline or not qualifies(task, max_elements, max_flops):
+            pushed += 1
+            heapq.heappush(heap, (-task.key, pushed, task))
+            break
+    return heap

@@ -35,7 +35,7 @@ def check_target(x: Tensor, *sources: Any) -> None:
 def _add_scaled(x: Tensor, other: Any, alpha: float) -> None:
     """``x.data += alpha * other``: the array work of ``add_``."""
     other_data = other.data if isinstance(other, Tensor) else device_operand(other, x.device)
-    fused = x.device.backend.fused
+    fused = x.device.fused
     if alpha != 1 and fused is not None and fused.add_scaled_(x.data, other_data, alpha):
         return
     if alpha != 1:
@@ -180,7 +180,7 @@ def add_(x: Tensor, other: Any, alpha: float = 1) -> Tensor:
     data = x.data
     other_data = other.data
     if alpha != 1:
-        fused = device.backend.fused
+        fused = device.fused
         if fused is not None and fused.add_scaled_(data, other_data, alpha):
             x._bump_version()
             return x

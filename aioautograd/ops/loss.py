@@ -57,7 +57,7 @@ class CrossEntropy(Op):
         setup: CrossEntropySetup,
     ) -> Tensor:
         ctx.fused_rows = None
-        fused = input.device.backend.fused
+        fused = input.device.fused
         if fused is not None and _fusable(setup, input):
             result = fused.cross_entropy_rows(
                 input.data, target.data, setup.ignore_index, setup.reduction
@@ -112,7 +112,7 @@ class CrossEntropy(Op):
             # Nothing to record (a plain backward): the formula below on the arrays.
             xp, g = grad.xp, grad.data
             if ctx.fused_rows is not None:
-                fused = ctx.saved_device.backend.fused
+                fused = ctx.saved_device.fused
                 target, row_weights = ctx.fused_rows
                 log_probs = ctx.saved_arrays[2]
                 result = fused.cross_entropy_rows_backward(

@@ -237,7 +237,7 @@ def _threshold_backward(grad: Tensor, out: Array, reuse: bool = False) -> Tensor
     memory when nothing else references it: on 256x1024 float32, ~50 µs less per node than
     writing a fresh array (``mlp`` step, one core).
     """
-    fused = grad.device.backend.fused
+    fused = grad.device.fused
     if fused is not None:
         return wrap(fused.threshold_backward(grad.data, out), grad.device)
     xp = grad.xp

@@ -111,7 +111,7 @@ class Adam(Optimizer):
         denom /= bias_correction2_sqrt
         denom += eps
         update = xp.divide(exp_avg, denom, out=denom)
-        if param.device.backend.fused is None:
+        if param.device.fused is None:
             # What ``add_(alpha=-step_size)`` computes (the product, then the sum), in place.
             update *= -step_size
             param.add_(Tensor(update, param.device))

@@ -91,7 +91,7 @@ class SGD(Optimizer):
                 grad, owned = xp.add(grad, scaled, out=scaled), True
             else:
                 grad, owned = buffer.data, False
-        if owned and param.device.backend.fused is None:
+        if owned and param.device.fused is None:
             # What ``add_(alpha=-lr)`` computes (``grad * -lr``, then the sum), in place.
             param.add_(Tensor(xp.multiply(grad, -group["lr"], out=grad), param.device))
         else:

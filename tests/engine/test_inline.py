@@ -213,3 +213,32 @@ async def test_inline_nodes_are_silent_on_invalid_values_like_the_executors() ->
         await x.sqrt().sum().backward()
     assert np.isinf(x.grad.data[0])
     assert x.grad.data[1] == 0.25
+
+
+async def test_inline_nodes_ignore_the_callers_numpy_errors_and_restore_them() -> None:
+    # The inline pass sets NumPy's error state from a cached copy of the caller's: each
+    # caller state (a cache miss when it changes) must be honoured after the pass, its
+    # buffer size kept, and the nodes must stay silent even where the caller raises.
+    get_default_engine().inline_budget_s = 1.0
+    states = [{"divide": "raise", "invalid": "raise"}, {"all": "warn"}, {"divide": "raise"}]
+    for bufsize in (8192, 16384):
+        for state in states:
+            with np.errstate(**state):  # type: ignore[arg-type]
+                before = np.geterr()
+                previous_bufsize = np.setbufsize(bufsize)
+                try:
+                    x = ag.tensor([0.0, 4.0], dtype="float64", requires_grad=True)
+                    with profile() as prof:
+                        await x.sqrt().sum().backward()
+                    assert _threads(prof) == {threading.current_thread().name}  # inline
+                    assert np.geterr() == before
+                    assert np.getbufsize() == bufsize
+                finally:
+                    np.setbufsize(previous_bufsize)
+            assert np.isinf(x.grad.data[0])
+            assert x.grad.data[1] == 0.25
+    with np.errstate(divide="raise"):
+        x = ag.tensor([0.0, 1.0], dtype="float64", requires_grad=True)
+        await x.sqrt().sum().backward()
+        with pytest.raises(FloatingPointError):  # the caller's state is back in force
+            np.divide(np.ones(1), np.zeros(1))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import aioautograd as ag
+from aioautograd.ops import _erf as _erf_module
 from aioautograd.ops.unary import erf
 from tests.helpers import assert_close, to_numpy
 
@@ -278,6 +279,84 @@ def test_erf_special_values() -> None:
     np.testing.assert_array_equal(out[[0, 1, 4, 5]], [1.0, -1.0, 0.0, 1.0])
     assert math.isnan(out[2])
     assert math.copysign(1.0, out[3]) == -1.0
+
+
+# Cody's interval boundaries, each with its neighbours on either side.
+_ERF_EDGES = [
+    v
+    for edge in (0.46875, 4.0, 27.0)
+    for v in (np.nextafter(edge, 0.0), edge, np.nextafter(edge, np.inf))
+]
+
+
+class _NotNumpy:
+    """NumPy under another name: ``erf`` takes the branch-free path of other array modules."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(np, name)
+
+
+def test_erf_evaluates_each_interval_on_its_own_elements_only() -> None:
+    # Every interval in one array, mixed in any order, with the values that fall outside
+    # all three (inf, nan) and subnormals.
+    rng = np.random.default_rng(3)
+    values = np.concatenate(
+        [
+            rng.normal(0.0, 4.0, 5000),
+            _ERF_EDGES,
+            np.negative(_ERF_EDGES),
+            [0.0, -0.0, 5e-324, -5e-324, 1e-300, 30.0, -30.0, math.inf, -math.inf, math.nan],
+        ]
+    )
+    rng.shuffle(values)
+    out = _erf_module.erf(np, values)
+    finite = ~np.isnan(values)
+    np.testing.assert_allclose(out[finite], _erf(values[finite]), rtol=2e-15, atol=0)
+    assert np.isnan(out[~finite]).all()
+    assert np.array_equal(np.signbit(out[finite]), np.signbit(values[finite]))
+    # The same values, element for element, as all three intervals evaluated everywhere.
+    assert np.array_equal(out, _erf_module.erf(_NotNumpy(), values), equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        np.array(0.25),  # 0-d, small
+        np.array(3.0),  # 0-d, middle interval
+        np.array(-math.inf),  # 0-d, past the last one
+        np.array([0.1, -0.2, 0.3]),  # all small: no gather
+        np.array([[0.1, 2.0], [-9.0, math.nan]]),  # 2-d, mixed
+    ],
+)
+def test_erf_keeps_shape_and_matches_math_erf(values: np.ndarray) -> None:
+    out = _erf_module.erf(np, values)
+    assert out.shape == values.shape
+    assert out.dtype == np.float64
+    expected = np.where(np.isnan(values), math.nan, _erf(np.nan_to_num(values)))
+    np.testing.assert_allclose(out, expected, rtol=2e-15, atol=0)
+
+
+def test_erf_keeps_float32_and_integer_inputs_become_float64() -> None:
+    values = np.array([0.2, 1.5, -6.0, 0.46875], dtype=np.float32)
+    out = _erf_module.erf(np, values)
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, _erf(values.astype(np.float64)), rtol=1e-6)
+    integers = _erf_module.erf(np, np.array([-3, 0, 1, 5]))
+    assert integers.dtype == np.float64
+    np.testing.assert_allclose(integers, _erf(np.array([-3.0, 0.0, 1.0, 5.0])), rtol=2e-15)
+
+
+async def test_gelu_matches_torch_across_the_erf_intervals(torch: Any) -> None:
+    rng = np.random.default_rng(4)
+    edges = np.array(_ERF_EDGES) * math.sqrt(2)  # gelu reads erf(x / sqrt(2))
+    data = np.concatenate([rng.normal(0.0, 5.0, 3000), edges, -edges, [0.0, 1e-300, -1e-300]])
+    x, t = _leaf(data, "cpu"), torch.tensor(data, requires_grad=True)
+    out = ag.gelu(x)
+    expected = torch.nn.functional.gelu(t)
+    assert_close(out, expected, rtol=1e-13, atol=1e-300)
+    await out.sum().backward()
+    expected.sum().backward()
+    assert_close(x.grad, t.grad, rtol=1e-12, atol=1e-15)
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
