@@ -684,7 +684,7 @@ def _pairable(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any], min_flops: float
     """Whether ``a @ b`` is a large product that :meth:`CpuBudget.matmul_pair` may run beside
     another on two threads (floating point, ``a`` 2-D or batched, ``b`` 2-D): in chunks where
     this BLAS cuts it exactly (``_cuts_exactly``), else whole (one chunk: still exact, and
-    the only parallelism left for, say, float32 on OpenBLAS's Haswell kernels)."""
+    the only parallelism left for a dtype this BLAS never cuts exactly)."""
     return (
         a.dtype.kind in "fc"
         and b.dtype.kind in "fc"
@@ -699,7 +699,7 @@ def _cuts_exactly(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
     """Whether ``a @ b`` cut in blocks (``_SplitProduct``) is bitwise the whole product, as
     spec §5 requires (gradients do not depend on the load).
 
-    Not with every BLAS kernel (``_blocks_are_exact``, probed once per dtype), and not for
+    Not with every BLAS kernel (``_cut_rule``, probed once per dtype), and not for
     every float64 product: OpenBLAS's dgemm rounds the output's last ``N % 8`` columns
     differently depending on where their rows fall in the call (row blocks and column
     blocks alike). Measured with OpenBLAS 0.3.31 (NumPy's wheel) on a SkylakeX core: 83 of

@@ -17,6 +17,7 @@ import pytest
 
 import aioautograd as ag
 from aioautograd import nn, optim
+from aioautograd.devices import cpu_budget as cpu_budget_module
 from aioautograd.devices.cpu_budget import (
     HOLD_ITERATIONS,
     LEND_AFTER_CALLBACK,
@@ -24,8 +25,10 @@ from aioautograd.devices.cpu_budget import (
     CpuBudget,
     _BlasThreads,
     _blocks_are_exact,
+    _cut_plan,
     _cuts_exactly,
     _sched_getcpu,
+    _SplitProduct,
     cpu_budget,
 )
 from aioautograd.engine import Engine, EnginePolicy
@@ -131,6 +134,33 @@ print(
     if "Haswell" not in architecture:
         pytest.skip(f"this BLAS cannot run OpenBLAS's Haswell kernels here ({architecture})")
     assert result == "False (48, True) [0, 48, 96, 144, 256] 1 1 True True"
+
+
+@pytest.mark.parametrize(
+    ("rule", "by_rows", "size", "align"),
+    [((64, False), False, 512, 64), ((48, True), True, 256, 48), (None, False, 0, 64)],
+)
+def test_a_product_is_cut_where_the_blas_s_rule_says(
+    monkeypatch: pytest.MonkeyPatch,
+    rule: tuple[int, bool] | None,
+    by_rows: bool,
+    size: int,
+    align: int,
+) -> None:
+    # Both dimensions at 64 (SkylakeX): the longer one, here the columns; rows only at 48
+    # (Haswell's float32): the rows however few; never: one whole chunk.
+    monkeypatch.setitem(cpu_budget_module._EXACT_BLOCKS, np.dtype(np.float32), rule)
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((256, 784)).astype(np.float32)
+    b = rng.standard_normal((784, 512)).astype(np.float32)
+    assert _cut_plan(a, b) == (by_rows, size, align)
+    bounds = _SplitProduct(a, b, 4)._bounds
+    if rule is None:
+        assert len(bounds) == 2  # one chunk: the whole product
+    else:
+        assert len(bounds) == 5
+        assert bounds[-1] == size
+        assert all(bound % align == 0 for bound in bounds[:-1])
 
 
 def test_products_that_cannot_split_still_compute() -> None:
