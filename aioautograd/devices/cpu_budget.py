@@ -481,11 +481,9 @@ class CpuBudget:
             if self._holds and loop is None:
                 self._expire_holds()
             hold = None
-            own = 0  # counted for this product's own thread
             if loop is not None and splittable and self.loop_hold_s > 0:
                 hold = self._take_hold(loop)
-            elif not counted and not self._holds_thread(loop):
-                own = 1
+            elif not counted:
                 self._count(1)
             helpers: list[_Helper] = []
             blas_threads = 0  # >0: BLAS's own threads run this product ("blas" intra-op)
@@ -520,19 +518,8 @@ class CpuBudget:
                     hold.until = time.perf_counter() + self.loop_hold_s
                     if self.lend_cores >= LEND_BETWEEN_PRODUCTS:
                         self._lend(hold)
-                self._count(-(extra + own))
+                self._count(-(extra + (0 if counted or hold is not None else 1)))
                 self._idle_helpers.extend(helpers)
-
-    def _holds_thread(self, loop: Any) -> bool:
-        """(lock held) Whether the calling event loop's thread already counts through a hold
-        on this budget: one lent at a turn's start or after a callback counts the core the
-        thread computes on, so a product it runs whole counts nothing more (counted again,
-        the loop's thread was two of the cores and parked a worker beside it while it
-        computed on one)."""
-        if loop is None:
-            return False
-        hold = _thread.hold
-        return hold is not None and hold.budget is self and hold.units > 0
 
     def matmul_pair(
         self,

@@ -163,40 +163,6 @@ async def test_a_turn_keeps_one_core_for_the_loop_and_lends_the_rest() -> None:
 
 
 @pytest.mark.timeout(30)
-async def test_a_product_run_whole_under_the_loop_s_lent_hold_counts_the_loop_once() -> None:
-    # The lent hold already counts the core the loop's thread computes on: a product it runs
-    # whole meanwhile (too small to split) must not count that thread a second time, which
-    # pushed the count over the cores and parked the worker beside it.
-    rng = np.random.default_rng(17)
-    big = rng.standard_normal((256, 512))  # split: takes the hold
-    small = rng.standard_normal((64, 64))  # whole on the loop's thread
-    if not _cuts_exactly(big, big.T):
-        pytest.skip("this BLAS does not cut float64 products exactly: the loop never holds")
-    budget = CpuBudget(cores=2, min_split_flops=1e6, manage_blas=False)
-    budget.loop_hold_s = 10.0
-    budget.matmul(big, big.T)  # a forward pass's product: every core held
-    assert budget.active == 2
-    await _loop_until(lambda: budget._lent == 1)  # its callback returned: one core lent
-    assert budget.active == 1
-    with budget._lock:
-        budget._count(1)  # a worker takes the lent core
-    try:
-        budget.peak = budget.active
-        assert np.array_equal(budget.matmul(small, small), np.matmul(small, small))
-        assert budget.peak == 2  # the loop's core (its hold) and the worker's: no third
-        assert budget._lent == 1  # a whole product does not take the lent core back
-    finally:
-        with budget._lock:
-            budget._count(-1)
-    await _loop_until(lambda: budget.active == 0)
-    # Without a hold the loop's product counts its thread, as any thread's does.
-    budget.peak = 0
-    budget.matmul(small, small)
-    assert budget.peak == 1
-    assert budget.active == 0
-
-
-@pytest.mark.timeout(30)
 @pytest.mark.parametrize("exact", [True, False])
 async def test_a_turn_holds_the_cores_only_for_products_this_blas_cuts_exactly(
     monkeypatch: pytest.MonkeyPatch, exact: bool
