@@ -750,23 +750,24 @@ def _blocks_are_exact(dtype: np.dtype[Any]) -> bool:
 
 
 def _row_blocks_are_exact(dtype: np.dtype[Any]) -> bool:
-    """Whether a product cut in blocks of ``ROW_ALIGN`` output rows (the last block taking
-    the remainder, as ``_SplitProduct`` cuts) is bitwise the whole product, for the operand
-    layouts a linear layer's products take (each operand contiguous or a transposed view).
+    """Whether a product cut in blocks of multiples of ``ROW_ALIGN`` output rows (the last
+    block taking the remainder, as ``_SplitProduct`` cuts) is bitwise the whole product, for
+    the operand layouts a linear layer's products take (each operand contiguous or a
+    transposed view).
 
     OpenBLAS's Haswell and Zen sgemm (0.3.31, measured on an AMD EPYC, session 28 of
     benchmarks/README.md) computes the output's rows in groups of 12 (OpenBLAS's ``N``
     dimension: NumPy's row-major product is its column-major transpose): a cut at a multiple
-    of 12 rows leaves every row in the same group as in the whole product, and then 448 of
-    450 products tried cut at 48, 96 and 192 rows were bitwise whole (the two others ended
-    in a one-row block, which NumPy's cuts never make); cut at 64 or 128 rows, or along the
-    columns at any multiple tried, none were. The probe (149x16 @ 16x96, three layouts,
-    under OpenBLAS's threshold for threads) costs about 0.1 ms, once per dtype."""
+    of 12 rows leaves every row in the same group as in the whole product, and then 2,512 of
+    2,512 products cut by ``_SplitProduct`` were bitwise whole; cut at 64 or 128 rows, or
+    along the columns at any multiple tried, none were. The probe (197x16 @ 16x64 cut in
+    blocks of 12, 24, 48 and the rest, three layouts, under OpenBLAS's threshold for
+    threads) costs about 0.1 ms, once per dtype."""
     rng = np.random.default_rng(1)
-    rows = 3 * ROW_ALIGN + 5
+    rows = 16 * ROW_ALIGN + 5
     a = rng.standard_normal((rows, 16)).astype(dtype)
-    b = rng.standard_normal((16, 96)).astype(dtype)
-    bounds = [0, ROW_ALIGN, 2 * ROW_ALIGN, rows]
+    b = rng.standard_normal((16, 64)).astype(dtype)
+    bounds = [0, ROW_ALIGN, 3 * ROW_ALIGN, 7 * ROW_ALIGN, rows]
     for left, right in ((a, b), (np.asfortranarray(a), b), (a, np.asfortranarray(b))):
         whole = np.matmul(left, right)
         parts = [np.matmul(left[start:stop], right) for start, stop in itertools.pairwise(bounds)]
@@ -779,9 +780,11 @@ def _row_blocks_are_exact(dtype: np.dtype[Any]) -> bool:
 # up to 32 (OpenBLAS's sgemm on AVX-512), so every element of a chunk is computed exactly as
 # in the whole product; a one-column chunk, say, would go through gemv and round differently.
 CHUNK_ALIGN = 64
-# ...or of this many rows only, on a BLAS that cuts exactly only there (``_row_blocks_are_exact``:
-# a multiple of 12, OpenBLAS's Haswell sgemm, and of 16).
-ROW_ALIGN = 48
+# ...or of this many rows only, on a BLAS that cuts exactly only there
+# (``_row_blocks_are_exact``: OpenBLAS's Haswell sgemm computes rows in groups of 12). Cut
+# at 48 instead, a 256-row product's 4 chunks were 48/48/48/112 rows: the thread with the
+# last one computed 62% of the product, against 53% at 12 (60/60/60/76).
+ROW_ALIGN = 12
 # ...and hold at least this many multiply-adds: OpenBLAS computes small products (about
 # 100x100x100 and below) with other kernels, whose rounding differs.
 MIN_CHUNK_MACS = 1 << 21
