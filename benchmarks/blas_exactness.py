@@ -32,7 +32,7 @@ SHAPES = [  # (m, k, n): the `mlp` step's products, and others
     (333, 517, 901),
     (128, 16, 128),
 ]
-CUTS = (16, 64, 128)
+CUTS = (12, 16, 48, 64, 96, 128)
 
 
 def check(dtype: Any, shape: tuple[int, int, int], rng: np.random.Generator) -> dict[str, bool]:

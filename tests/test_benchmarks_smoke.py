@@ -298,15 +298,18 @@ def test_model_parallel_profile_script() -> None:
 
 
 def test_blas_exactness_agrees_with_the_budget_s_probe() -> None:
-    # The script's cut at 64 of a 128x16 @ 16x128 float32 product asks what the budget's
-    # probe asks (other data): both say whether this BLAS cuts float32 products exactly.
-    from aioautograd.devices.cpu_budget import _blocks_are_exact
+    # The script's cuts at 64 (both ways) and at 12 rows of a 128x16 @ 16x128 float32
+    # product ask what the budget's probes ask (other data and shapes): whether this BLAS
+    # cuts float32 products exactly both ways at 64, and along rows at multiples of 12.
+    from aioautograd.devices.cpu_budget import _blocks_are_exact, _row_blocks_are_exact
 
     result = blas_exactness.check(np.float32, (128, 16, 128), np.random.default_rng(5))
-    assert set(result) == {"rows@16", "cols@16", "rows@64", "cols@64", "2 threads"}
+    cuts = {f"{way}@{at}" for way in ("rows", "cols") for at in (12, 16, 48, 64, 96)}
+    assert set(result) == cuts | {"2 threads"}
     assert all(isinstance(value, bool) for value in result.values())
     exact = _blocks_are_exact(np.dtype(np.float32))
     assert (result["rows@64"] and result["cols@64"]) == exact
+    assert result["rows@12"] == _row_blocks_are_exact(np.dtype(np.float32))
 
 
 def test_async_app_ab_settings_name_policy_fields() -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import math
 import os
 import queue
@@ -429,14 +430,15 @@ class CpuBudget:
         if flops < self.min_counted_flops:
             return np.matmul(a, b)
         split_size = 0  # the length of the dimension the product is cut along
+        align = CHUNK_ALIGN  # ...at multiples of this
         if (
             flops >= self.min_split_flops
             and a.ndim >= 2
             and b.ndim == 2
             and time.perf_counter() >= self._no_split_until
         ):
-            split_size = max(a.shape[-2], b.shape[1]) if _cuts_exactly(a, b) else 0
-        splittable = split_size >= 2 * CHUNK_ALIGN and flops >= 4 * MIN_CHUNK_MACS
+            _, split_size, align = _cut_plan(a, b)
+        splittable = split_size >= 2 * align and flops >= 4 * MIN_CHUNK_MACS
         counted = _thread.counted
         # A counted thread's pause (``yield_point``) waits until the helpers have their
         # chunks when the product is likely to be split: they compute meanwhile instead of
@@ -462,9 +464,17 @@ class CpuBudget:
                         self._drop_hold(held)
                 splittable = False
                 self.shared_products += 1
-        if loop is not None and flops >= self.min_split_flops:
+        if (
+            loop is not None
+            and flops >= self.min_split_flops
+            and a.ndim >= 2
+            and b.ndim == 2
+            and _cuts_exactly(a, b)
+        ):
             # A forward pass with products this large: its turns hold the cores
-            # (``hold_for_turn``), even while a starved helper keeps them whole.
+            # (``hold_for_turn``), even while a starved helper keeps them whole. Not one
+            # whose products this BLAS cannot cut exactly: they run whole on the loop's
+            # core, and a hold would only park the workers beside it.
             _thread.product_hold_at = time.perf_counter()
             _thread.product_hold_budget = self
         with self._lock:
@@ -480,7 +490,7 @@ class CpuBudget:
             extra = 0  # cores counted for this product's other threads
             if splittable:
                 free = self.cores - 1 if loop is not None else self.cores - self.active
-                wanted = min(free, split_size // CHUNK_ALIGN - 1)
+                wanted = min(free, split_size // align - 1)
                 if wanted > 0 and self.intra_op == "blas" and self._blas is not None:
                     blas_threads = wanted + 1
                     extra = wanted  # the cores BLAS's threads take
@@ -497,7 +507,7 @@ class CpuBudget:
             if deferred:
                 self.yield_point()
             slice_flops = self.lent_slice_flops if self._lent else self.slice_flops
-            if counted and split_size >= 2 * CHUNK_ALIGN and flops >= 2 * slice_flops:
+            if counted and split_size >= 2 * align and flops >= 2 * slice_flops:
                 return self._sliced(a, b, int(flops // slice_flops))
             return np.matmul(a, b)
         finally:
@@ -661,7 +671,7 @@ def _pairable(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any], min_flops: float
     """Whether ``a @ b`` is a large product that :meth:`CpuBudget.matmul_pair` may run beside
     another on two threads (floating point, ``a`` 2-D or batched, ``b`` 2-D): in chunks where
     this BLAS cuts it exactly (``_cuts_exactly``), else whole (one chunk: still exact, and
-    the only parallelism left for, say, float32 on OpenBLAS's Haswell kernels)."""
+    the only parallelism left for a dtype this BLAS never cuts exactly)."""
     return (
         a.dtype.kind in "fc"
         and b.dtype.kind in "fc"
@@ -676,7 +686,7 @@ def _cuts_exactly(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
     """Whether ``a @ b`` cut in blocks (``_SplitProduct``) is bitwise the whole product, as
     spec §5 requires (gradients do not depend on the load).
 
-    Not with every BLAS kernel (``_blocks_are_exact``, probed once per dtype), and not for
+    Not with every BLAS kernel (``_cut_rule``, probed once per dtype), and not for
     every float64 product: OpenBLAS's dgemm rounds the output's last ``N % 8`` columns
     differently depending on where their rows fall in the call (row blocks and column
     blocks alike). Measured with OpenBLAS 0.3.31 (NumPy's wheel) on a SkylakeX core: 83 of
@@ -684,22 +694,49 @@ def _cuts_exactly(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
     ones, every one with ``N % 8 != 0``, in those columns only; none of the float32,
     complex64 and complex128 ones did."""
     dtype = np.result_type(a, b)
-    exact = _EXACT_BLOCKS.get(dtype)
-    if exact is None:
-        exact = _EXACT_BLOCKS[dtype] = _blocks_are_exact(dtype)
-    return exact and (b.shape[-1] % F64_COLUMNS_ALIGN == 0 or dtype != np.float64)
+    return _cut_rule(dtype) is not None and (
+        b.shape[-1] % F64_COLUMNS_ALIGN == 0 or dtype != np.float64
+    )
 
 
-# dtype -> whether this process's BLAS computes products cut in blocks bitwise as whole ones
-_EXACT_BLOCKS: dict[np.dtype[Any], bool] = {}
+def _cut_plan(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> tuple[bool, int, int]:
+    """How ``_SplitProduct`` cuts ``a @ b`` (``a`` 2-D or batched, ``b`` 2-D): whether along
+    the output's rows (else its columns), the length of that dimension (0: this BLAS does
+    not cut the product exactly, it stays whole) and the multiple its cuts fall on."""
+    rows, cols = a.shape[-2], b.shape[1]
+    rule = _cut_rule(np.result_type(a, b)) if _cuts_exactly(a, b) else None
+    if rule is None:
+        return rows >= cols, 0, CHUNK_ALIGN
+    align, rows_only = rule
+    by_rows = rows_only or rows >= cols
+    return by_rows, rows if by_rows else cols, align
+
+
+def _cut_rule(dtype: np.dtype[Any]) -> tuple[int, bool] | None:
+    """How this process's BLAS cuts products of ``dtype`` bitwise as whole ones: at multiples
+    of how many rows or columns, and whether along the output's rows only; None: never
+    (probed once per dtype)."""
+    if dtype not in _EXACT_BLOCKS:
+        if _blocks_are_exact(dtype):
+            _EXACT_BLOCKS[dtype] = (CHUNK_ALIGN, False)
+        elif _row_blocks_are_exact(dtype):
+            _EXACT_BLOCKS[dtype] = (ROW_ALIGN, True)
+        else:
+            _EXACT_BLOCKS[dtype] = None
+    return _EXACT_BLOCKS[dtype]
+
+
+# dtype -> how this process's BLAS computes products cut in blocks bitwise as whole ones
+# (``_cut_rule``)
+_EXACT_BLOCKS: dict[np.dtype[Any], tuple[int, bool] | None] = {}
 
 
 def _blocks_are_exact(dtype: np.dtype[Any]) -> bool:
     """Whether a small product cut in row blocks and in column blocks is bitwise the whole
-    product with this BLAS and CPU. OpenBLAS's SkylakeX kernels pass for every dtype; its
-    Haswell and Zen kernels (``OPENBLAS_CORETYPE=Haswell``: AMD CPUs, Intel without
-    AVX-512) round float32 blocks differently from the whole product, in every shape tried:
-    products of that dtype are then never cut. The probe (128x16 @ 16x128, under OpenBLAS's
+    product with this BLAS and CPU, cut at ``CHUNK_ALIGN``. OpenBLAS's SkylakeX kernels pass
+    for every dtype; its Haswell and Zen kernels (``OPENBLAS_CORETYPE=Haswell``: AMD CPUs,
+    Intel without AVX-512) round float32 blocks cut there differently from the whole
+    product (``_row_blocks_are_exact`` then). The probe (128x16 @ 16x128, under OpenBLAS's
     threshold for threads, so one thread whatever the setting) costs about 0.1 ms, once."""
     rng = np.random.default_rng(0)
     a = rng.standard_normal((2 * CHUNK_ALIGN, 16)).astype(dtype)
@@ -712,10 +749,42 @@ def _blocks_are_exact(dtype: np.dtype[Any]) -> bool:
     return bool(np.array_equal(rows, whole) and np.array_equal(columns, whole))
 
 
+def _row_blocks_are_exact(dtype: np.dtype[Any]) -> bool:
+    """Whether a product cut in blocks of multiples of ``ROW_ALIGN`` output rows (the last
+    block taking the remainder, as ``_SplitProduct`` cuts) is bitwise the whole product, for
+    the operand layouts a linear layer's products take (each operand contiguous or a
+    transposed view).
+
+    OpenBLAS's Haswell and Zen sgemm (0.3.31, measured on an AMD EPYC, session 28 of
+    benchmarks/README.md) computes the output's rows in groups of 12 (OpenBLAS's ``N``
+    dimension: NumPy's row-major product is its column-major transpose): a cut at a multiple
+    of 12 rows leaves every row in the same group as in the whole product, and then 2,512 of
+    2,512 products cut by ``_SplitProduct`` were bitwise whole; cut at 64 or 128 rows, or
+    along the columns at any multiple tried, none were. The probe (197x16 @ 16x64 cut in
+    blocks of 12, 24, 48 and the rest, three layouts, under OpenBLAS's threshold for
+    threads) costs about 0.1 ms, once per dtype."""
+    rng = np.random.default_rng(1)
+    rows = 16 * ROW_ALIGN + 5
+    a = rng.standard_normal((rows, 16)).astype(dtype)
+    b = rng.standard_normal((16, 64)).astype(dtype)
+    bounds = [0, ROW_ALIGN, 3 * ROW_ALIGN, 7 * ROW_ALIGN, rows]
+    for left, right in ((a, b), (np.asfortranarray(a), b), (a, np.asfortranarray(b))):
+        whole = np.matmul(left, right)
+        parts = [np.matmul(left[start:stop], right) for start, stop in itertools.pairwise(bounds)]
+        if not np.array_equal(np.concatenate(parts), whole):
+            return False
+    return True
+
+
 # Chunk boundaries are multiples of this many rows (columns): BLAS kernels work on blocks of
 # up to 32 (OpenBLAS's sgemm on AVX-512), so every element of a chunk is computed exactly as
 # in the whole product; a one-column chunk, say, would go through gemv and round differently.
 CHUNK_ALIGN = 64
+# ...or of this many rows only, on a BLAS that cuts exactly only there
+# (``_row_blocks_are_exact``: OpenBLAS's Haswell sgemm computes rows in groups of 12). Cut
+# at 48 instead, a 256-row product's 4 chunks were 48/48/48/112 rows: the thread with the
+# last one computed 62% of the product, against 53% at 12 (60/60/60/76).
+ROW_ALIGN = 12
 # ...and hold at least this many multiply-adds: OpenBLAS computes small products (about
 # 100x100x100 and below) with other kernels, whose rounding differs.
 MIN_CHUNK_MACS = 1 << 21
@@ -766,19 +835,19 @@ class _SplitProduct:
         chunks: int,
         between: Callable[[], None] | None = None,
     ) -> None:
-        rows, cols = a.shape[-2], b.shape[1]
+        cols = b.shape[1]
         out = np.empty((*a.shape[:-1], cols), dtype=np.result_type(a.dtype, b.dtype))
         self.out = out
-        by_rows = rows >= cols
-        size = rows if by_rows else cols
+        by_rows, size, align = _cut_plan(a, b)
         # Whole blocks; the last one takes the remainder: a chunk of a few rows or columns
         # goes through other kernels (a 129-column product cut at 64 and 128 rounded its last
         # column differently from the whole product).
-        blocks = max(1, size // CHUNK_ALIGN) if _cuts_exactly(a, b) else 1
-        macs_per_block = CHUNK_ALIGN * out.size // size * a.shape[-1]
+        blocks = max(1, size // align) if size else 1
+        size = size or (a.shape[-2] if by_rows else cols)
+        macs_per_block = align * out.size // size * a.shape[-1]
         chunks = max(1, min(chunks, blocks, macs_per_block * blocks // MIN_CHUNK_MACS))
         stops = [blocks * i // chunks for i in range(1, chunks)]
-        self._bounds = [0] + [CHUNK_ALIGN * stop for stop in stops] + [size]
+        self._bounds = [0] + [align * stop for stop in stops] + [size]
         self._a, self._b, self._by_rows = a, b, by_rows
         self._lock = threading.Lock()
         self._next = 0

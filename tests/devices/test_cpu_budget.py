@@ -17,6 +17,7 @@ import pytest
 
 import aioautograd as ag
 from aioautograd import nn, optim
+from aioautograd.devices import cpu_budget as cpu_budget_module
 from aioautograd.devices.cpu_budget import (
     HOLD_ITERATIONS,
     LEND_AFTER_CALLBACK,
@@ -24,8 +25,10 @@ from aioautograd.devices.cpu_budget import (
     CpuBudget,
     _BlasThreads,
     _blocks_are_exact,
+    _cut_plan,
     _cuts_exactly,
     _sched_getcpu,
+    _SplitProduct,
     cpu_budget,
 )
 from aioautograd.engine import Engine, EnginePolicy
@@ -92,28 +95,34 @@ def test_split_products_are_bitwise_equal_to_whole_ones(
         assert not _cuts_exactly(a, b)  # OpenBLAS's dgemm: see _cuts_exactly
 
 
-def test_products_are_whole_with_a_blas_whose_blocks_round_differently() -> None:
+def test_a_blas_whose_column_blocks_round_differently_cuts_rows_at_its_multiple() -> None:
     # OpenBLAS's Haswell kernels (AMD CPUs, Intel without AVX-512) round a float32 product
-    # cut in blocks differently from the whole one: on them products are never cut, but a
-    # worker's pair of products still runs side by side, each whole on one thread.
+    # cut at 64 rows or at any column differently from the whole one, but not one cut at a
+    # multiple of 12 rows: there products are cut along their rows at multiples of
+    # ROW_ALIGN only, bitwise the whole product, and a worker's pair still runs side by side.
     code = """
 import numpy as np
 from threadpoolctl import threadpool_info
-from aioautograd.devices.cpu_budget import CpuBudget
+from aioautograd.devices.cpu_budget import CpuBudget, _blocks_are_exact, _cut_rule, _SplitProduct
 print([i.get("architecture") for i in threadpool_info() if i["user_api"] == "blas"])
 budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
 rng = np.random.default_rng(0)
 a = rng.standard_normal((256, 784)).astype(np.float32)
 b = rng.standard_normal((784, 512)).astype(np.float32)
+whole = np.matmul(a, b)
 out = budget.matmul(a, b)
 assert budget.enter()
 first, second = budget.matmul_pair(a, b, a.T, out)
 budget.leave()
+job = _SplitProduct(a, b, 4)
 print(
+    _blocks_are_exact(np.dtype(np.float32)),
+    _cut_rule(np.dtype(np.float32)),
+    job._bounds,
     budget.split_products,
     budget.paired_products,
-    bool(np.array_equal(out, np.matmul(a, b))),
-    bool(np.array_equal(first, out) and np.array_equal(second, np.matmul(a.T, out))),
+    bool(np.array_equal(out, whole)),
+    bool(np.array_equal(first, whole) and np.array_equal(second, np.matmul(a.T, whole))),
 )
 """
     env = {**os.environ, "OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_NUM_THREADS": "1"}
@@ -124,7 +133,34 @@ print(
     architecture, result = done.stdout.strip().splitlines()
     if "Haswell" not in architecture:
         pytest.skip(f"this BLAS cannot run OpenBLAS's Haswell kernels here ({architecture})")
-    assert result == "0 1 True True"
+    assert result == "False (12, True) [0, 60, 120, 180, 256] 1 1 True True"
+
+
+@pytest.mark.parametrize(
+    ("rule", "by_rows", "size", "align"),
+    [((64, False), False, 512, 64), ((12, True), True, 256, 12), (None, False, 0, 64)],
+)
+def test_a_product_is_cut_where_the_blas_s_rule_says(
+    monkeypatch: pytest.MonkeyPatch,
+    rule: tuple[int, bool] | None,
+    by_rows: bool,
+    size: int,
+    align: int,
+) -> None:
+    # Both dimensions at 64 (SkylakeX): the longer one, here the columns; rows only at 12
+    # (Haswell's float32): the rows however few; never: one whole chunk.
+    monkeypatch.setitem(cpu_budget_module._EXACT_BLOCKS, np.dtype(np.float32), rule)
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((256, 784)).astype(np.float32)
+    b = rng.standard_normal((784, 512)).astype(np.float32)
+    assert _cut_plan(a, b) == (by_rows, size, align)
+    bounds = _SplitProduct(a, b, 4)._bounds
+    if rule is None:
+        assert len(bounds) == 2  # one chunk: the whole product
+    else:
+        assert len(bounds) == 5
+        assert bounds[-1] == size
+        assert all(bound % align == 0 for bound in bounds[:-1])
 
 
 def test_products_that_cannot_split_still_compute() -> None:
@@ -566,8 +602,12 @@ async def test_a_turn_holds_the_cores_only_while_workers_compute(lend: int, held
     budget.lend_cores = lend
     loop = asyncio.get_running_loop()
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((256, 128)).astype(np.float32)
-    b = rng.standard_normal((128, 256)).astype(np.float32)
+    # float64, 256 columns: OpenBLAS cuts it exactly on every kernel we know of (float32
+    # not on its Haswell ones; a loop whose products are never cut takes no turn hold).
+    a = rng.standard_normal((256, 128))
+    b = rng.standard_normal((128, 256))
+    if not _cuts_exactly(a, b):
+        pytest.skip("this BLAS does not cut float64 products exactly: the loop never holds")
     assert np.array_equal(budget.matmul(a, b), np.matmul(a, b))  # a forward's product: held
     await _hold_released()  # its callback returned: the hold is gone
     assert budget.active == 0

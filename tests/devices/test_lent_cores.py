@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import aioautograd as ag
+from aioautograd.devices import cpu_budget as cpu_budget_module
 from aioautograd.devices.cpu_budget import (
     HOLD_ITERATIONS,
     LEND_AFTER_CALLBACK,
@@ -155,6 +156,42 @@ async def test_a_turn_keeps_one_core_for_the_loop_and_lends_the_rest() -> None:
         budget.matmul(a, a.T)  # the turn's forward pass: every core again
         assert budget._lent == 0
         assert budget.active == 4
+    finally:
+        with budget._lock:
+            budget._count(-1)
+    await _loop_until(lambda: budget.active == 0)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("exact", [True, False])
+async def test_a_turn_holds_the_cores_only_for_products_this_blas_cuts_exactly(
+    monkeypatch: pytest.MonkeyPatch, exact: bool
+) -> None:
+    # A loop whose large products this BLAS cannot cut (float32 on OpenBLAS's Haswell
+    # kernels) runs them whole on its own core: a turn's hold would only park the workers.
+    monkeypatch.setitem(
+        cpu_budget_module._EXACT_BLOCKS, np.dtype(np.float64), (64, False) if exact else None
+    )
+    budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    budget.loop_hold_s = 10.0
+    loop = asyncio.get_running_loop()
+    a = np.random.default_rng(19).standard_normal((256, 512))
+    assert np.array_equal(budget.matmul(a, a.T), np.matmul(a, a.T))  # a forward's product
+    await _loop_until(lambda: not budget._holds and budget.active == 0)
+    with budget._lock:
+        budget._count(1)  # a worker computes
+    try:
+        budget.hold_for_turn(loop)
+        if exact:
+            assert budget._lent == 1  # held: the loop's core, the other one lent
+            assert budget.active == 2
+        else:
+            assert not budget._holds  # no hold: the worker keeps its core
+            assert budget.active == 1
+            budget.peak = 0
+            budget.matmul(a, a.T)  # the turn's product, whole: one core, as any thread's
+            assert budget.peak == 2
+            assert budget.split_products == 0
     finally:
         with budget._lock:
             budget._count(-1)
