@@ -165,12 +165,14 @@ async def start_world(
     rpc_timeout: float = 30.0,
     hold_shutdown: bool = False,
     grpc_options: dict[str, Any] | None = None,
+    uvloop: bool = False,
 ) -> World:
     """Start a world of a driver (this task) and ``n_workers`` workers.
 
     With ``hold_shutdown``, each worker calls ``shutdown`` only once the driver calls
     ``semantic_fns.open_shutdown_gate`` on it (by default, at once after ``init_rpc``).
     ``grpc_options``: more :class:`GrpcOptions` fields, for the driver and every worker.
+    ``uvloop``: the worker processes run their event loop on uvloop.
     """
     world_size = n_workers + 1
     names = [f"worker{rank}" for rank in range(1, world_size)]
@@ -204,6 +206,7 @@ async def start_world(
             TEST_HEARTBEAT=",".join(map(str, heartbeat)),
             TEST_HOLD_SHUTDOWN="1" if hold_shutdown else "",
             TEST_GRPC_OPTIONS=json.dumps(grpc_options or {}),
+            TEST_UVLOOP="1" if uvloop else "",
         )
         for key in list(env):
             if key.startswith("AIOAUTOGRAD_TLS_"):

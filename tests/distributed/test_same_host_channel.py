@@ -177,6 +177,32 @@ async def _test_carries(tmp_path: Path) -> None:
         world.kill_all()
 
 
+async def test_the_channel_works_between_uvloop_workers(tmp_path: Path) -> None:
+    pytest.importorskip("uvloop")
+    await in_fresh_context(lambda: _test_uvloop(tmp_path))
+
+
+async def _test_uvloop(tmp_path: Path) -> None:
+    # uvloop's socket transports are not asyncio.Transport subclasses (a check on that
+    # broke every channel to or from a uvloop worker).
+    world = await start_world("grpc", tmp_path, n_workers=2, uvloop=True)
+    try:
+        x = np.arange(600 * 64, dtype=np.float32).reshape(600, 64)
+        echoed = await rpc.rpc_async("worker1", remote_fns.echo, args=(ag.tensor(x),))
+        np.testing.assert_array_equal(echoed.numpy(), x)
+        relayed = await rpc.rpc_async(
+            "worker1", remote_fns.relay, args=("worker2", name_of(remote_fns.whoami))
+        )
+        assert relayed == "worker2"
+        assert await rpc.rpc_async("worker1", remote_fns.stream_transports) == {
+            "driver": "same-host",
+            "worker2": "same-host",
+        }
+        assert await world.close() == {"worker1": 0, "worker2": 0}
+    finally:
+        world.kill_all()
+
+
 async def test_the_channel_off_leaves_grpc_between_every_pair(tmp_path: Path) -> None:
     await in_fresh_context(lambda: _test_off(tmp_path))
 

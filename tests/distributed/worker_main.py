@@ -4,7 +4,8 @@ Reads RANK, WORLD_SIZE, MASTER_ADDR/PORT, AIOAUTOGRAD_RPC_TOKEN and the AIOAUTOG
 variables like any launched script, plus TEST_WORKER_NAME, TEST_HEARTBEAT
 ("interval,timeout"), TEST_GRPC_OPTIONS (JSON: more GrpcOptions fields) and
 TEST_HOLD_SHUTDOWN (non-empty: shut down only once the driver opens
-``semantic_fns.open_shutdown_gate``); serves until the world shuts down.
+``semantic_fns.open_shutdown_gate``) and TEST_UVLOOP (non-empty: run on uvloop); serves
+until the world shuts down.
 """
 
 from __future__ import annotations
@@ -43,4 +44,9 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    if os.environ.get("TEST_UVLOOP"):
+        import uvloop
+
+        uvloop.run(main())
+    else:
+        asyncio.run(main())

@@ -49,7 +49,7 @@ import struct
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc  # type: ignore[import-untyped]
 import msgpack  # type: ignore[import-untyped]
@@ -135,8 +135,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     # ------------------------------------------------------------------ asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's socket transports are not asyncio.Transport subclasses: no isinstance check.
+        self.transport = cast("asyncio.Transport", transport)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._body is not None:
