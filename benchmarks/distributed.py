@@ -5,6 +5,8 @@ backward and a distributed optimizer step on both owners) on worlds of two worke
 
 - ``aioautograd``: the ``grpc`` backend, two processes on loopback started by
   ``python -m aioautograd.distributed.run`` (the figure's subject: two processes, as torch);
+- ``aioautograd-uvloop``: the same two processes, each running its event loop on uvloop
+  (``uvloop.run``, as the README's examples do when uvloop is installed; a variant);
 - ``aioautograd-local``: the ``local`` backend, both workers in one process (a variant, in
   this workload's own table only);
 - ``torch``: ``torch.distributed.rpc`` (TensorPipe) + ``torch.distributed.autograd`` +
@@ -46,6 +48,7 @@ SETUP_TIMEOUT_S = 120.0  # processes started, RPC world up, model and optimizer 
 STEP_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 LOCAL = f"{SUBJECT}-local"
+UVLOOP = f"{SUBJECT}-uvloop"
 
 
 def torch_rpc_unavailable() -> str | None:
@@ -61,6 +64,14 @@ def torch_rpc_unavailable() -> str | None:
     return None
 
 
+def _no_uvloop() -> str | None:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "uvloop is not installed (pip install -e '.[uvloop]')"
+    return None
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -73,7 +84,7 @@ def _commands(backend: str, control_port: int) -> list[tuple[list[str], dict[str
     worker += ["--control", str(control_port)]
     if backend == "local":
         return [(worker, {})]
-    if backend == "grpc":
+    if backend in ("grpc", "grpc-uvloop"):
         launcher = [sys.executable, "-m", "aioautograd.distributed.run", "--nproc", "2"]
         return [(launcher + worker[1:], {})]
     master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
@@ -298,6 +309,7 @@ def model_parallel_summary(lines: dict[str, dict[str, Any]]) -> tuple[dict[str, 
     summary: dict[str, Any] = {}
     for label, top, bottom in (
         ("grpc_over_torch", SUBJECT, "torch"),
+        ("grpc_uvloop_over_torch", UVLOOP, "torch"),
         ("local_over_torch", LOCAL, "torch"),
         ("grpc_over_torch_uv", SUBJECT, "torch-uv"),
         ("local_over_torch_uv", LOCAL, "torch-uv"),
@@ -367,6 +379,7 @@ register(
         repeats={"full": (10, 100), "quick": (5, 30), "tiny": (1, 2)},
         impls=(
             Impl(SUBJECT, _case("grpc"), ("grpc",)),
+            Impl(UVLOOP, _case("grpc-uvloop"), ("grpc",), main_table=False, unavailable=_no_uvloop),
             Impl(LOCAL, _case("local"), main_table=False),
             Impl("torch", _case("torch"), ("torch",), unavailable=torch_rpc_unavailable),
             Impl(

@@ -96,11 +96,15 @@ async def _serve_aio(backend: str, control_port: int) -> None:
         await writer.wait_closed()
 
 
-async def _aio_worker(backend: str, rank: int, world_size: int, control_port: int) -> None:
+async def _aio_worker(
+    backend: str, rank: int, world_size: int, control_port: int, label: str | None = None
+) -> None:
+    """One worker on ``backend``; rank 0 serves the driver, saying it is ``label`` (default:
+    the backend's name)."""
     await rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, backend=backend)
     try:
         if rank == 0:
-            await _serve_aio(backend, control_port)
+            await _serve_aio(label or backend, control_port)
     finally:
         await rpc.shutdown()
 
@@ -232,7 +236,9 @@ def _torch_worker(backend: str, rank: int, control_port: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=("local", "grpc", "torch", "torch-uv"), required=True)
+    parser.add_argument(
+        "--backend", choices=("local", "grpc", "grpc-uvloop", "torch", "torch-uv"), required=True
+    )
     parser.add_argument("--control", type=int, required=True, help="the driver's port")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -241,6 +247,11 @@ def main(argv: list[str] | None = None) -> None:
     elif args.backend == "grpc":
         world_size = int(os.environ["WORLD_SIZE"])
         asyncio.run(_aio_worker("grpc", rank, world_size, args.control))
+    elif args.backend == "grpc-uvloop":
+        import uvloop
+
+        world_size = int(os.environ["WORLD_SIZE"])
+        uvloop.run(_aio_worker("grpc", rank, world_size, args.control, args.backend))
     else:
         _torch_worker(args.backend, rank, args.control)
 
