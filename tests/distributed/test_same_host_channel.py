@@ -67,6 +67,18 @@ def _hello(token: str, worker: str = "driver") -> bytes:
     return hello_frame((("aioautograd-token", token), ("aioautograd-worker", worker)))
 
 
+async def _relay_between_workers(transport: str) -> None:
+    """worker1 calls worker2 (worker to worker), and both its streams use ``transport``."""
+    relayed = await rpc.rpc_async(
+        "worker1", remote_fns.relay, args=("worker2", name_of(remote_fns.whoami))
+    )
+    assert relayed == "worker2"
+    assert await rpc.rpc_async("worker1", remote_fns.stream_transports) == {
+        "driver": transport,
+        "worker2": transport,
+    }
+
+
 async def _raw(path: str, records: list[bytes], replies: int) -> list[bytes]:
     """Connect to a worker's channel, send ``records`` (length prefix and frame, as given),
     read up to ``replies`` frames (fewer if the worker closes the channel)."""
@@ -135,14 +147,7 @@ async def _test_carries(tmp_path: Path) -> None:
         )
         assert many == [i + 1 for i in range(200)]
         # Worker to worker, on the channel too.
-        relayed = await rpc.rpc_async(
-            "worker1", remote_fns.relay, args=("worker2", name_of(remote_fns.whoami))
-        )
-        assert relayed == "worker2"
-        assert await rpc.rpc_async("worker1", remote_fns.stream_transports) == {
-            "driver": "same-host",
-            "worker2": "same-host",
-        }
+        await _relay_between_workers("same-host")
 
         # A distributed backward across both workers, against torch.
         rng = np.random.default_rng(2)
@@ -190,14 +195,7 @@ async def _test_uvloop(tmp_path: Path) -> None:
         x = np.arange(600 * 64, dtype=np.float32).reshape(600, 64)
         echoed = await rpc.rpc_async("worker1", remote_fns.echo, args=(ag.tensor(x),))
         np.testing.assert_array_equal(echoed.numpy(), x)
-        relayed = await rpc.rpc_async(
-            "worker1", remote_fns.relay, args=("worker2", name_of(remote_fns.whoami))
-        )
-        assert relayed == "worker2"
-        assert await rpc.rpc_async("worker1", remote_fns.stream_transports) == {
-            "driver": "same-host",
-            "worker2": "same-host",
-        }
+        await _relay_between_workers("same-host")
         assert await world.close() == {"worker1": 0, "worker2": 0}
     finally:
         world.kill_all()
@@ -213,15 +211,8 @@ async def _test_off(tmp_path: Path) -> None:
     try:
         driver: Any = world.driver
         assert driver._local_paths == {}
-        relayed = await rpc.rpc_async(
-            "worker1", remote_fns.relay, args=("worker2", name_of(remote_fns.whoami))
-        )
-        assert relayed == "worker2"
+        await _relay_between_workers("grpc")
         assert not isinstance(driver._streams["worker1"]._call, LocalCall)
-        assert await rpc.rpc_async("worker1", remote_fns.stream_transports) == {
-            "driver": "grpc",
-            "worker2": "grpc",
-        }
         assert await world.close() == {"worker1": 0, "worker2": 0}
     finally:
         world.kill_all()

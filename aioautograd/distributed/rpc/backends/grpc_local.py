@@ -265,17 +265,25 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 raise self.error
             if self._eof:
                 return None
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            await self._wait()
         frame = frames.popleft()
-        if self._paused_reading and len(frames) <= _MAX_QUEUED // 2:
+        if len(frames) <= _MAX_QUEUED // 2:
+            self._resume_reading()
+        return frame
+
+    async def _wait(self) -> None:
+        """Until the socket's callbacks report a frame, an outcome, the end or a failure."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _resume_reading(self) -> None:
+        if self._paused_reading:
             self._paused_reading = False
             if self.transport is not None:
                 self.transport.resume_reading()
-        return frame
 
     async def deliver_to(self, receiver: Callable[[bytes | bytearray], Any]) -> Any:
         """Hand every frame to ``receiver`` as it arrives, in the socket's callback (no task
@@ -290,10 +298,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
             result = receiver(frames.popleft())
             if result is not None:
                 return result
-        if self._paused_reading and self.error is None:
-            self._paused_reading = False
-            if self.transport is not None:
-                self.transport.resume_reading()
+        if self.error is None:
+            self._resume_reading()
         self._outcome = None
         self._receiver = receiver
         try:
@@ -302,11 +308,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
                     raise self.error
                 if self._eof:
                     return None
-                self._waiter = asyncio.get_running_loop().create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
+                await self._wait()
             kind, value = self._outcome
             if kind == "error":
                 raise value
