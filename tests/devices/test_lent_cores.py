@@ -21,6 +21,7 @@ from aioautograd.devices.cpu_budget import (
     cpu_budget,
 )
 from aioautograd.engine import Engine, EnginePolicy
+from tests.devices.budget_helpers import a_worker_computing
 
 
 def _wait_for(condition: object, thread: threading.Thread) -> None:
@@ -147,18 +148,13 @@ async def test_a_turn_keeps_one_core_for_the_loop_and_lends_the_rest() -> None:
     a = np.random.default_rng(13).standard_normal((256, 512))
     budget.matmul(a, a.T)  # this loop's forward passes take the cores: its turns hold them
     await _loop_until(lambda: not budget._holds)
-    with budget._lock:
-        budget._count(1)  # a worker computes
-    try:
+    with a_worker_computing(budget):
         budget.hold_for_turn(loop)
         assert budget._lent == 1
         assert budget.active == 2  # the worker's core and the loop's: one core left free
         budget.matmul(a, a.T)  # the turn's forward pass: every core again
         assert budget._lent == 0
         assert budget.active == 4
-    finally:
-        with budget._lock:
-            budget._count(-1)
     await _loop_until(lambda: budget.active == 0)
 
 
@@ -178,9 +174,7 @@ async def test_a_turn_holds_the_cores_only_for_products_this_blas_cuts_exactly(
     a = np.random.default_rng(19).standard_normal((256, 512))
     assert np.array_equal(budget.matmul(a, a.T), np.matmul(a, a.T))  # a forward's product
     await _loop_until(lambda: not budget._holds and budget.active == 0)
-    with budget._lock:
-        budget._count(1)  # a worker computes
-    try:
+    with a_worker_computing(budget):
         budget.hold_for_turn(loop)
         if exact:
             assert budget._lent == 1  # held: the loop's core, the other one lent
@@ -192,9 +186,6 @@ async def test_a_turn_holds_the_cores_only_for_products_this_blas_cuts_exactly(
             budget.matmul(a, a.T)  # the turn's product, whole: one core, as any thread's
             assert budget.peak == 2
             assert budget.split_products == 0
-    finally:
-        with budget._lock:
-            budget._count(-1)
     await _loop_until(lambda: budget.active == 0)
 
 

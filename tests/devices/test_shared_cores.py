@@ -5,8 +5,6 @@ alone, it still takes them all. Gradients stay those of the sequential run, bit 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -16,6 +14,7 @@ from aioautograd import nn, optim
 from aioautograd.devices.cpu_budget import HOLD_ITERATIONS, CpuBudget, cpu_budget
 from aioautograd.engine import Engine, EnginePolicy
 from aioautograd.nn import functional as F
+from tests.devices.budget_helpers import a_worker_computing
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,25 +39,13 @@ async def _holds_released(budget: CpuBudget) -> None:
     assert not budget._holds, "the loop's hold never ended"
 
 
-@contextlib.contextmanager
-def _a_worker_computing(budget: CpuBudget) -> Iterator[None]:
-    """A worker thread counted as computing on ``budget`` for the block."""
-    with budget._lock:
-        budget._count(1)
-    try:
-        yield
-    finally:
-        with budget._lock:
-            budget._count(-1)
-
-
 @pytest.mark.parametrize("shares", [True, False])
 async def test_a_loop_s_product_beside_a_computing_worker_takes_one_core_when_sharing(
     shares: bool,
 ) -> None:
     budget = _budget(shares)
     a, b = _operands()
-    with _a_worker_computing(budget):
+    with a_worker_computing(budget):
         out = budget.matmul(a, b)
         assert np.array_equal(out, np.matmul(a, b))
         if shares:
@@ -84,7 +71,7 @@ async def test_a_sharing_loop_alone_still_takes_every_core() -> None:
     assert len(budget._holds) == 1
     # Its callback goes on holding them: a worker that started meanwhile does not make the
     # next product of the same callback count a third core.
-    with _a_worker_computing(budget):
+    with a_worker_computing(budget):
         assert np.array_equal(budget.matmul(a, b), out)
         assert (budget.split_products, budget.shared_products, budget.active) == (2, 0, 3)
         await _holds_released(budget)
@@ -102,7 +89,7 @@ async def test_a_sharing_loop_ends_a_hold_an_earlier_callback_left_lent() -> Non
         await asyncio.sleep(0)
     assert hold.lent
     assert budget._holds == [hold]
-    with _a_worker_computing(budget):
+    with a_worker_computing(budget):
         budget.matmul(a, b)  # a later callback's product, beside the worker: shared
         assert (budget.split_products, budget.shared_products) == (1, 1)
         assert not budget._holds
@@ -135,7 +122,7 @@ async def test_a_sharing_loop_s_turn_takes_no_hold() -> None:
     a, b = _operands()
     budget.matmul(a, b)  # this loop's forward passes are large: by default its turns hold
     await _holds_released(budget)
-    with _a_worker_computing(budget):
+    with a_worker_computing(budget):
         budget.hold_for_turn(loop)
         assert not budget._holds
         assert budget.active == 1
