@@ -345,3 +345,28 @@ async def test_inline_limits_heartbeat() -> None:
     result = await inline_limits.heartbeat(passes=2)
     assert result["ticks"] > 0
     assert result["tick_max_ms"] >= result["tick_p99_ms"]
+
+
+def test_late_ticks_attributes_every_late_tick() -> None:
+    from benchmarks import late_ticks
+
+    assert late_ticks.attribute(2.0, 1.2, 0.1, 0.0) == "run queue"
+    assert late_ticks.attribute(2.0, 0.2, 1.0, 0.0) == "loop callbacks"
+    assert late_ticks.attribute(2.0, 0.2, 0.1, 1.5) == "gc"
+    assert late_ticks.attribute(2.0, 0.9, 0.9, 0.1) == "other"
+    # Its own process: the script patches the budget's NumPy and the loop's callbacks.
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "late_ticks.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--runs", "1", "--size", "tiny", "--threshold", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(script.parent.parent)},
+    )
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.splitlines()[:2]
+    ticks = int(first.split(": ")[1].split(" ticks")[0])
+    late = int(first.split("; ")[1].split(" later")[0])
+    assert ticks == late > 0  # (threshold 0: every tick)
+    causes = json.loads(second.split(": ", 1)[1].split("; ")[0].replace("'", '"'))
+    assert sum(causes.values()) == late

@@ -590,7 +590,9 @@ class CpuBudget:
         helpers: list[_Helper],
         pause: bool = False,
     ) -> np.ndarray[Any, Any]:
-        job = _SplitProduct(a, b, CHUNKS_PER_THREAD * (len(helpers) + 1))
+        threads = len(helpers) + 1
+        per_thread = CHUNKS_PER_THREAD if _repacks_cheaply(a, b) else 1
+        job = _SplitProduct(a, b, per_thread * threads)
         self._place(helpers)
         for helper in helpers:
             helper.inbox.put(job)
@@ -699,6 +701,22 @@ def _cuts_exactly(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
     )
 
 
+def _repacks_cheaply(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
+    """Whether ``a @ b`` may be split in ``CHUNKS_PER_THREAD`` chunks per thread: each
+    chunk is a BLAS call of its own that packs the operand every chunk shares again (``b``
+    for a product cut along its rows, ``a`` along its columns), which costs little while
+    that operand is small (in the caches) and a pass over memory when it is not.
+
+    Measured on OpenBLAS's Haswell sgemm (AMD EPYC, one thread, CPU time, session 29 of
+    benchmarks/README.md): 256x784 @ 784x1024 cut along its rows took 4.61 ms whole, 4.84
+    in 2 chunks and 5.07 in 4 (each chunk packs the 3.2 MB weight again), 256x1024 @
+    1024x1024 6.05 / 6.18 / 6.57 ms; 784x256 @ 256x1024 (a 1 MB shared operand) 4.73 /
+    4.68 / 4.69 ms."""
+    by_rows, _, _ = _cut_plan(a, b)
+    shared = b if by_rows else a
+    return bool(shared.nbytes <= REPACK_CHEAP_BYTES)
+
+
 def _cut_plan(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> tuple[bool, int, int]:
     """How ``_SplitProduct`` cuts ``a @ b`` (``a`` 2-D or batched, ``b`` 2-D): whether along
     the output's rows (else its columns), the length of that dimension (0: this BLAS does
@@ -798,6 +816,9 @@ F64_COLUMNS_ALIGN = 8
 # Each chunk packs its operands again, so more chunks cost more on a quiet machine: on 2 cores,
 # 256x784 @ 784x1024 took 2.5 ms in 2 chunks, 2.7 in 8, 2.2-2.5 with OpenBLAS's 2 threads.
 CHUNKS_PER_THREAD = 2
+# ...or one chunk per thread when the operand every chunk packs again is larger than this
+# (``_repacks_cheaply``): a weight matrix, not a batch of activations or gradients.
+REPACK_CHEAP_BYTES = 2 << 20
 # Each product of a pair (``CpuBudget.matmul_pair``) is cut in this many chunks: the pair then
 # has CHUNKS_PER_THREAD chunks per thread on 2 cores, as one split product has.
 PAIR_CHUNKS = 2
@@ -846,7 +867,10 @@ class _SplitProduct:
         size = size or (a.shape[-2] if by_rows else cols)
         macs_per_block = align * out.size // size * a.shape[-1]
         chunks = max(1, min(chunks, blocks, macs_per_block * blocks // MIN_CHUNK_MACS))
-        stops = [blocks * i // chunks for i in range(1, chunks)]
+        # The larger chunks first: the calling thread claims the first, and the chunk
+        # claimed last decides when the threads finish (21 blocks of 12 rows and 4 rows
+        # more in 4 chunks: 72/60/60/64 rows, not 60/60/60/76; in 2: 132/124).
+        stops = [-(-blocks * i // chunks) for i in range(1, chunks)]
         self._bounds = [0] + [align * stop for stop in stops] + [size]
         self._a, self._b, self._by_rows = a, b, by_rows
         self._lock = threading.Lock()

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+from threadpoolctl import threadpool_limits
 
 import aioautograd as ag
 from aioautograd import nn, optim
@@ -133,7 +134,7 @@ print(
     architecture, result = done.stdout.strip().splitlines()
     if "Haswell" not in architecture:
         pytest.skip(f"this BLAS cannot run OpenBLAS's Haswell kernels here ({architecture})")
-    assert result == "False (12, True) [0, 60, 120, 180, 256] 1 1 True True"
+    assert result == "False (12, True) [0, 72, 132, 192, 256] 1 1 True True"
 
 
 @pytest.mark.parametrize(
@@ -161,6 +162,45 @@ def test_a_product_is_cut_where_the_blas_s_rule_says(
         assert len(bounds) == 5
         assert bounds[-1] == size
         assert all(bound % align == 0 for bound in bounds[:-1])
+        # The larger chunks first (the calling thread claims the first; the last one
+        # claimed decides when the threads finish): 21 blocks of 12 rows and 4 rows more,
+        # 6/5/5/5 blocks; 8 blocks of 64 columns, 2 each.
+        assert bounds == ([0, 72, 132, 192, 256] if by_rows else [0, 128, 256, 384, 512])
+
+
+@pytest.mark.parametrize(
+    ("rule", "weight_rows", "per_thread"),
+    [((12, True), 1024, 1), ((12, True), 256, 2), ((64, False), 1024, 2)],
+)
+def test_a_split_product_repacks_a_large_shared_operand_once_per_thread(
+    monkeypatch: pytest.MonkeyPatch, rule: tuple[int, bool], weight_rows: int, per_thread: int
+) -> None:
+    # Each chunk is a BLAS call that packs the operand all chunks share again: cut along
+    # its rows, a product shares its right operand, here a 4 MB weight (one chunk per
+    # thread) or a 1 MB one (two); cut along its columns (SkylakeX), its left one (two).
+    native = cpu_budget_module._cut_rule(np.dtype(np.float32))
+    monkeypatch.setitem(cpu_budget_module._EXACT_BLOCKS, np.dtype(np.float32), rule)
+    chunks: list[int] = []
+
+    class Recorded(_SplitProduct):
+        def __init__(self, a: np.ndarray, b: np.ndarray, count: int, **kwargs: object) -> None:
+            super().__init__(a, b, count)
+            chunks.append(len(self._bounds) - 1)
+
+    monkeypatch.setattr(cpu_budget_module, "_SplitProduct", Recorded)
+    budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((256, weight_rows)).astype(np.float32)
+    b = rng.standard_normal((weight_rows, 1024)).astype(np.float32)
+    with threadpool_limits(1, "blas"):  # (as the engine's budget keeps BLAS)
+        out = budget.matmul(a, b)
+        whole = np.matmul(a, b)
+    assert chunks == [2 * per_thread]
+    assert budget.split_products == 1
+    if rule == native:
+        assert np.array_equal(out, whole)  # this BLAS's own rule: bitwise
+    else:
+        np.testing.assert_allclose(out, whole, rtol=1e-4, atol=1e-3)
 
 
 def test_products_that_cannot_split_still_compute() -> None:
