@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -204,6 +205,33 @@ async def test_inline_error_fails_the_backward_and_the_engine_goes_on() -> None:
     y = ag.tensor([4.0], dtype="float64", requires_grad=True)
     await y.sqrt().sum().backward()
     assert_close(y.grad, np.array([0.25]))
+
+
+async def test_an_error_in_a_plain_inline_node_fails_the_backward_and_the_engine_goes_on() -> None:
+    """The inline loop's own path for plain nodes (no anomaly mode): a node whose gradient
+    does not fit fails the pass on the loop's thread, and nothing is left waiting."""
+
+    class Bad(ag.Function):
+        _inline_backward = True  # a node inline execution takes
+
+        @staticmethod
+        def forward(ctx: Any, x: ag.Tensor) -> ag.Tensor:
+            return x.detach() * 2.0
+
+        @staticmethod
+        def backward(ctx: Any, grad: ag.Tensor) -> ag.Tensor:
+            return ag.tensor(np.ones(5))  # x has 3 elements
+
+    get_default_engine().inline_budget_s = 1.0
+    x = ag.randn(3, dtype="float64", requires_grad=True)
+    w = ag.randn(3, dtype="float64", requires_grad=True)
+    with pytest.raises(RuntimeError, match="invalid gradient at index 0 - got \\[5\\]"):
+        await (Bad.apply(x) * w).sum().backward()
+    assert x.grad is None
+    with profile() as prof:
+        await (x * w).sum().backward()
+    assert _threads(prof) == {threading.current_thread().name}
+    assert_close(x.grad, w.data)
 
 
 async def test_inline_nodes_are_silent_on_invalid_values_like_the_executors() -> None:
