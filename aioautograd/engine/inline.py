@@ -338,6 +338,7 @@ def _run_tasks(
                 graph_task.set_error(exc, node, CPU, inputs)
                 graph_task.task_finished()
                 made = more = None
+            del inputs  # (the buffer: a gradient passed on as it is may be in it)
             task = None
             if more is not None:
                 for successor in more:
