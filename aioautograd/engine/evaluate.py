@@ -407,3 +407,47 @@ def _add(
 def _new_buffer(node: Node) -> list[Tensor | None]:
     # A leaf's node has one input (its metadata is read live from the leaf: skip building it).
     return [None] if type(node) is AccumulateGrad else [None] * len(node._input_metadata)
+
+
+def hold(
+    graph_task: GraphTask,
+    next_node: Node,
+    input_nr: int,
+    node: Node,
+    output_nr: int,
+    grad: Tensor | None,
+) -> None:
+    """(under the graph task's lock, CPU) Put ``grad`` in the buffer of ``next_node``, which
+    other edges still feed: ``_make_ready``'s bookkeeping of a gradient that does not make
+    its consumer ready, for the inline passes (``_make_ready`` has it inlined)."""
+    not_ready = graph_task.not_ready
+    buffer = not_ready.get(next_node)
+    if buffer is None:
+        buffer = not_ready[next_node] = _new_buffer(next_node)
+        producers = graph_task.fan_in.get(next_node)
+        if producers is not None:
+            orders = slot_orders(next_node, producers)
+            if orders is not None:
+                graph_task.slot_orders[next_node] = orders
+    _add(graph_task, buffer, next_node, input_nr, node, output_nr, grad, None)
+
+
+def complete_buffer(
+    graph_task: GraphTask,
+    buffer: list[Tensor | None] | None,
+    next_node: Node,
+    input_nr: int,
+    node: Node,
+    output_nr: int,
+    grad: Tensor | None,
+) -> list[Tensor | None]:
+    """(under the graph task's lock, CPU) The buffer of ``next_node`` with ``grad``, its last
+    gradient, added: ``_make_ready``'s case of a buffer held before (a node fed by several
+    edges) or of a consumer with a stream, for the inline passes."""
+    if buffer is None:
+        buffer = _new_buffer(next_node)
+        accumulate(buffer, input_nr, grad, None, next_node._stream)
+    else:
+        _add(graph_task, buffer, next_node, input_nr, node, output_nr, grad, None)
+        graph_task.slot_orders.pop(next_node, None)
+    return buffer

@@ -112,6 +112,7 @@ class GraphTask:
         "_children",
         "_done_event",
         "_done_future",
+        "_walk",
         "anomaly",
         "caller_streams",
         "captured_vars",
@@ -175,6 +176,8 @@ class GraphTask:
         self.not_ready: dict[Node, list[Tensor | None]] = {}
         self.exec_info: dict[Node, ExecInfo] | None = None
         self.pending_analysis: tuple[Node, Sequence[Edge] | None, bool, int] | None = None
+        # A dependency walk that stopped at its limit: (stack, first edges, nodes seen).
+        self._walk: tuple[list[Node], dict[Node, Node], int] | None = None
         # No grad() outputs, leaf hook, anomaly mode or profiler: nodes take the hot path.
         self.plain = False
         self.captured_vars: list[Tensor | None] = []
@@ -221,9 +224,7 @@ class GraphTask:
             # Its longest path alone reaches the limit (a long chain): no walk to find out.
             return False
         if not self.compute_dependencies(root, min_topo_nr, max_nodes):
-            self.dependencies = {}
-            self.fan_in = {}
-            return False
+            return False  # (the walk so far is kept: the next analyse goes on from there)
         self.pending_analysis = None
         if outputs is not None:
             self.init_to_execute(root, outputs, accumulate_grad, min_topo_nr)
@@ -241,17 +242,24 @@ class GraphTask:
         """Count, for each node reachable from ``root``, the edges that lead into it, and
         note where the edges into nodes fed by several come from (``fan_in``).
 
-        Returns False, with the counts incomplete, once more than ``max_nodes`` are seen.
+        Returns False, with the counts incomplete, once ``max_nodes`` are seen: the walk
+        is kept, and the next call (on an executor, without a limit) goes on with it, so
+        that a graph too large to run inline is not walked twice.
         """
         dependencies = self.dependencies
         fan_in = self.fan_in
-        first: dict[Node, Node] = {}  # each node seen -> the node of its first edge
-        stack = [root]
+        first: dict[Node, Node]  # each node seen -> the node of its first edge
+        if self._walk is None:
+            first = {}
+            stack = [root]
+            seen = 0
+        else:  # an earlier walk gave up at its limit (on the loop): go on from there
+            stack, first, seen = self._walk
+            self._walk = None
         limit = max_nodes if max_nodes is not None else sys.maxsize
         # One comparison per node: the next count of nodes seen at which to check the
         # limit and let other threads in (every 1,024 nodes).
-        check_at = min(limit, 1024)
-        seen = 0
+        check_at = min(limit, seen + 1024)
         push = stack.append
         pop = stack.pop
         # (Membership tests and subscripts, not dict.get: no method call per edge.)
@@ -271,11 +279,12 @@ class GraphTask:
                     first[next_node] = node
                     push(next_node)
                     seen += 1
-                    if seen >= check_at:
-                        if seen >= limit:
-                            return False
-                        pause_if_due()
-                        check_at = min(limit, seen + 1024)
+            if seen >= check_at:  # (after the node's last edge: the walk can go on)
+                if seen >= limit:
+                    self._walk = (stack, first, seen)
+                    return False
+                pause_if_due()
+                check_at = min(limit, seen + 1024)
         for next_node, producers in fan_in.items():
             dependencies[next_node] = len(producers)
         return True
@@ -567,6 +576,7 @@ class GraphTask:
         self.fan_in = {}
         self.slot_orders = {}
         self.exec_info = None
+        self._walk = None
         self._async_context = None
 
     def _await_from_thread(self, coroutine: Any) -> None:

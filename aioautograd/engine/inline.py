@@ -31,13 +31,22 @@ import numpy
 
 from aioautograd.autograd.node import INLINE, PRICED, AccumulateGrad
 from aioautograd.devices.device import CPU
-from aioautograd.engine.evaluate import evaluate_function
+from aioautograd.engine.evaluate import (
+    _NO_INPUTS,
+    _current_graph_task_get,
+    complete_buffer,
+    evaluate_function,
+    hold,
+)
+from aioautograd.engine.graph_task import enter_graph_task
 from aioautograd.engine.input_buffer import buffer_device
 from aioautograd.engine.policy import NUMPY_ERRORS
 from aioautograd.engine.ready_queue import NodeTask
+from aioautograd.engine.validate import validated
 
 if TYPE_CHECKING:
     from aioautograd.autograd.node import Node
+    from aioautograd.engine.engine import Engine
     from aioautograd.engine.graph_task import GraphTask
 
 try:  # NumPy 2: the error state is this context variable (1.26 keeps it per thread)
@@ -226,40 +235,135 @@ def _run_tasks(
     graph_task: GraphTask, first: NodeTask, deadline: float, max_elements: int, max_flops: float
 ) -> list[tuple[int, int, NodeTask]]:
     """``run_inline``'s loop: run ``first`` and the CPU tasks it makes ready while they
-    qualify; return the heap of those left (empty when none is)."""
+    qualify; return the heap of those left (empty when none is).
+
+    A plain node (``Node._plain``) of a plain graph task is evaluated here rather than by
+    ``evaluate_function`` and ``_make_ready``: the same steps in the same order (apply,
+    release, ``validated``, the dependency bookkeeping under the graph task's lock), with
+    the pass's constants read once and no list of successors for a node that makes one
+    ready. Anything else (an async node, a hook, a stream) takes ``evaluate_function``.
+    """
     engine = graph_task.engine
     heap: list[tuple[int, int, NodeTask]] = []
     pushed = 0
+    fast = graph_task.plain  # (set by analyse, which ran before the first node)
+    keep_graph = graph_task.keep_graph
+    lock = graph_task.lock
+    dependencies = graph_task.dependencies
+    not_ready = graph_task.not_ready
+    depth_key = graph_task.depth_key
     task: NodeTask | None = first
     while task is not None:
         node = task.node
-        if not node._plain and node.is_async:
-            graph_task.expect_completion_elsewhere()  # its continuation finishes the pass
-        # ``reuse``: nothing here holds ``task`` once evaluated (the heap entry is gone).
-        made = evaluate_function(task, CPU, True)
-        task = None
-        ready: list[NodeTask] | None = None
-        if type(made) is NodeTask:
-            if not heap and buffer_device(made.inputs).type == "cpu":
-                task = made  # a chain: the one successor runs next, without the heap
-            else:
-                ready = [made]
-        elif made is not None:
-            ready = made  # type: ignore[assignment]  # (not a NodeTask: the list)
-        if ready is not None:
-            for successor in ready:
-                # buffer_device's common case inline; no local may hold the gradient
-                # (its reference count decides whether AccumulateGrad steals it)
-                inputs = successor.inputs
-                device = (
-                    inputs[0].device if inputs and inputs[0] is not None else buffer_device(inputs)
-                )
-                if device.type == "cpu":
-                    pushed += 1
-                    heapq.heappush(heap, (-successor.key, pushed, successor))
+        made: NodeTask | None = None
+        more: list[NodeTask] | None = None
+        if fast and node._plain and task.outputs is None and not graph_task.has_error:
+            inputs = task.inputs
+            try:
+                if _current_graph_task_get() is not graph_task:
+                    enter_graph_task(graph_task)
+                task.inputs = _NO_INPUTS  # the buffer is ours: AccumulateGrad may steal it
+                node_lock = node._lock
+                node_lock.acquire()
+                try:
+                    outputs = node.apply(inputs)
+                finally:
+                    node_lock.release()
+                if not keep_graph:
+                    node.release_variables()
+                edges = node._next_edges
+                if edges:
+                    outputs = validated(edges, outputs, node)
+                reuse: NodeTask | None = task
+                lock.acquire()
+                try:
+                    i = -1  # (a counter, as in _make_ready)
+                    for next_node, input_nr in edges:
+                        i += 1
+                        if next_node is None:
+                            continue
+                        count = dependencies[next_node]
+                        grad = outputs[i]
+                        if count != 1:
+                            dependencies[next_node] = count - 1
+                            hold(graph_task, next_node, input_nr, node, i, grad)
+                            continue
+                        del dependencies[next_node]
+                        buffer = not_ready.pop(next_node, None) if not_ready else None
+                        if buffer is None and next_node._stream is None:
+                            if type(next_node) is AccumulateGrad:
+                                buffer = [grad]
+                            else:
+                                inputs_of_next = len(next_node._input_metadata)
+                                if inputs_of_next == 1:
+                                    buffer = [grad]
+                                else:
+                                    buffer = [None] * inputs_of_next
+                                    buffer[input_nr] = grad
+                        else:
+                            buffer = complete_buffer(
+                                graph_task, buffer, next_node, input_nr, node, i, grad
+                            )
+                        if reuse is not None:  # the first successor takes the finished task
+                            reuse.node = next_node
+                            reuse.inputs = buffer
+                            reuse.key = depth_key | next_node.sequence_nr
+                            successor, reuse = reuse, None
+                        else:
+                            successor = NodeTask(graph_task, next_node, buffer)
+                        if made is None:
+                            made = successor
+                        elif more is None:
+                            more = [made, successor]
+                        else:
+                            more.append(successor)
+                    if made is None:  # this task ends, none starts
+                        left = graph_task.outstanding_tasks = graph_task.outstanding_tasks - 1
+                    elif more is not None:
+                        left = graph_task.outstanding_tasks = (
+                            graph_task.outstanding_tasks + len(more) - 1
+                        )
+                    else:
+                        left = 1
+                finally:
+                    lock.release()
+                # No local may keep a gradient past here: its reference count decides
+                # whether the successor (AccumulateGrad, ReLU's backward) may steal it.
+                del outputs
+                grad = None
+                if left == 0:
+                    graph_task.all_tasks_done()
+                    made = more = None
+            except BaseException as exc:
+                graph_task.set_error(exc, node, CPU, inputs)
+                graph_task.task_finished()
+                made = more = None
+            del inputs  # (the buffer: a gradient passed on as it is may be in it)
+            task = None
+            if more is not None:
+                for successor in more:
+                    pushed = _push(graph_task, engine, heap, pushed, successor)
+            elif made is not None:
+                grads = made.inputs
+                device = grads[0].device if grads[0] is not None else buffer_device(grads)
+                if not heap and device.type == "cpu":
+                    task = made  # a chain: the one successor runs next, without the heap
                 else:
-                    graph_task.expect_completion_elsewhere()
-                    engine.push(successor, device)
+                    pushed = _push(graph_task, engine, heap, pushed, made)
+        else:
+            if not node._plain and node.is_async:
+                graph_task.expect_completion_elsewhere()  # its continuation finishes the pass
+            # ``reuse``: nothing here holds ``task`` once evaluated (the heap entry is gone).
+            ready = evaluate_function(task, CPU, True)
+            task = None
+            if type(ready) is NodeTask:
+                if not heap and buffer_device(ready.inputs).type == "cpu":
+                    task = ready  # a chain: the one successor runs next, without the heap
+                else:
+                    pushed = _push(graph_task, engine, heap, pushed, ready)
+            elif ready is not None:
+                for successor in ready:  # type: ignore[union-attr]  # (the list)
+                    pushed = _push(graph_task, engine, heap, pushed, successor)
         if task is None:
             if not heap:
                 break
@@ -269,3 +373,24 @@ def _run_tasks(
             heapq.heappush(heap, (-task.key, pushed, task))
             break
     return heap
+
+
+def _push(
+    graph_task: GraphTask,
+    engine: Engine,
+    heap: list[tuple[int, int, NodeTask]],
+    pushed: int,
+    successor: NodeTask,
+) -> int:
+    """Put a successor on the pass's heap (CPU), or hand it to its device's executor."""
+    # buffer_device's common case inline; no local may hold the gradient (its reference
+    # count decides whether AccumulateGrad steals it)
+    inputs = successor.inputs
+    device = inputs[0].device if inputs and inputs[0] is not None else buffer_device(inputs)
+    if device.type == "cpu":
+        pushed += 1
+        heapq.heappush(heap, (-successor.key, pushed, successor))
+    else:
+        graph_task.expect_completion_elsewhere()
+        engine.push(successor, device)
+    return pushed

@@ -54,6 +54,20 @@ async def test_an_exclusively_owned_gradient_is_kept_without_a_copy(inline: bool
 
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("inline", [False, True], ids=["executor", "inline"])
+async def test_a_gradient_passed_through_a_node_is_still_kept_without_a_copy(inline: bool) -> None:
+    # clone's backward hands the produced gradient on as it is: once that node is done,
+    # nothing of it (its input buffer included) may still reference the gradient.
+    produce = _function(inline, keep=None)
+    x = ag.tensor(np.zeros(4), requires_grad=True)
+    await produce.apply(x.clone()).backward(ag.ones(4, dtype="float64"))
+    assert x.grad is not None
+    np.testing.assert_array_equal(x.grad.numpy(), np.full(4, 3.0))
+    assert produce.made is not None
+    assert x.grad.data is produce.made(), f"the gradient was copied on Python {_VERSION}"
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("inline", [False, True], ids=["executor", "inline"])
 async def test_a_gradient_held_elsewhere_is_copied(inline: bool) -> None:
     kept: list[Any] = []
     produce = _function(inline, keep=kept)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -119,6 +120,47 @@ async def test_a_graph_whose_longest_path_reaches_the_limit_is_not_walked_on_the
         assert_close(x.grad, np.full(3, 1.001**n))
 
 
+async def test_a_wide_graph_over_the_limit_is_walked_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A graph whose longest path is short but whose nodes are too many (a fan) is walked
+    on the loop until the limit, and the executor goes on with that walk: every node is
+    walked once, and the counts it builds are whole (the fan-in's gradient is right)."""
+    from aioautograd.engine.graph_task import GraphTask
+
+    get_default_engine().inline_budget_s = 1.0  # what decides is the graph's size
+    walked: list[tuple[str, bool, int]] = []
+    walk = GraphTask.compute_dependencies
+
+    def counted(self: GraphTask, *args: object) -> bool:
+        before = len(self.dependencies)
+        done = walk(self, *args)  # type: ignore[arg-type]
+        walked.append((threading.current_thread().name, done, len(self.dependencies) - before))
+        return done
+
+    monkeypatch.setattr(GraphTask, "compute_dependencies", counted)
+    branches = INLINE_MAX_NODES  # x * c_i, a tree of adds, the sum: ~2 * branches nodes
+    x = ag.randn(3, dtype="float64", requires_grad=True)
+    factors = [1.0 + i / branches for i in range(branches)]
+    terms = [x * c for c in factors]
+    while len(terms) > 1:
+        paired = [terms[i] + terms[i + 1] for i in range(0, len(terms) - 1, 2)]
+        terms = paired + terms[len(paired) * 2 :]
+    with profile() as prof:
+        await terms[0].sum().backward()
+    assert all(_is_executor(thread) for thread in _threads(prof))
+    assert len(walked) == 2, walked
+    (loop_thread, loop_done, loop_seen), (executor, executor_done, executor_seen) = walked
+    assert loop_thread == threading.current_thread().name
+    assert not loop_done
+    assert INLINE_MAX_NODES <= loop_seen < INLINE_MAX_NODES + 3  # (a node's last edges)
+    assert _is_executor(executor)
+    assert executor_done
+    # Each node below the root once: the muls, the adds and x's AccumulateGrad.
+    assert loop_seen + executor_seen == 2 * branches
+    assert_close(x.grad, np.full(3, sum(factors)))
+
+
 async def test_spent_budget_hands_the_rest_to_the_executors() -> None:
     get_default_engine().inline_budget_s = 1e-9  # spent once the first node ran
     x = ag.randn(3, dtype="float64", requires_grad=True)
@@ -204,6 +246,33 @@ async def test_inline_error_fails_the_backward_and_the_engine_goes_on() -> None:
     y = ag.tensor([4.0], dtype="float64", requires_grad=True)
     await y.sqrt().sum().backward()
     assert_close(y.grad, np.array([0.25]))
+
+
+async def test_an_error_in_a_plain_inline_node_fails_the_backward_and_the_engine_goes_on() -> None:
+    """The inline loop's own path for plain nodes (no anomaly mode): a node whose gradient
+    does not fit fails the pass on the loop's thread, and nothing is left waiting."""
+
+    class Bad(ag.Function):
+        _inline_backward = True  # a node inline execution takes
+
+        @staticmethod
+        def forward(ctx: Any, x: ag.Tensor) -> ag.Tensor:
+            return x.detach() * 2.0
+
+        @staticmethod
+        def backward(ctx: Any, grad: ag.Tensor) -> ag.Tensor:
+            return ag.tensor(np.ones(5))  # x has 3 elements
+
+    get_default_engine().inline_budget_s = 1.0
+    x = ag.randn(3, dtype="float64", requires_grad=True)
+    w = ag.randn(3, dtype="float64", requires_grad=True)
+    with pytest.raises(RuntimeError, match="invalid gradient at index 0 - got \\[5\\]"):
+        await (Bad.apply(x) * w).sum().backward()
+    assert x.grad is None
+    with profile() as prof:
+        await (x * w).sum().backward()
+    assert _threads(prof) == {threading.current_thread().name}
+    assert_close(x.grad, w.data)
 
 
 async def test_inline_nodes_are_silent_on_invalid_values_like_the_executors() -> None:
