@@ -56,6 +56,9 @@ if TYPE_CHECKING:
     from aioautograd.distributed.rpc.backends.grpc import GrpcAgent
 
 FRAME = struct.Struct("<BQ")
+# A transport that delimits frames by length (the same-host channel) takes them with this
+# prefix (``sized_frames``), built in the frame's one copy: one write per frame.
+LENGTH = struct.Struct("<I")
 REQUEST, RESPONSE, CANCEL, STATUS = 0, 1, 2, 3
 _CLOSE_GRACE_S = 1.0
 
@@ -104,6 +107,7 @@ class OutgoingStream:
         # A transport whose writes never block (the same-host channel) takes a frame at once
         # when the writer is idle: no wake-up of the writer task per frame.
         self._write_now: Callable[[bytes], bool] | None = getattr(call, "write_nowait", None)
+        self._sized: bool = getattr(call, "sized_frames", False)
         loop = agent.loop
         # Fresh contexts: these tasks outlive the call that opened the stream.
         self._writer = loop.create_task(self._write(), context=contextvars.Context())
@@ -130,14 +134,14 @@ class OutgoingStream:
         loop = self._agent.loop
         future: asyncio.Future[bytes] = loop.create_future()
         self._pending[call_id] = future
-        self._send(message.to_bytes(lead=FRAME.pack(REQUEST, call_id)))
+        self._send(message.to_bytes(lead=FRAME.pack(REQUEST, call_id), sized=self._sized))
         # A timer on the future rather than a timeout scope on the task: one handle per call.
         timer = None if deadline is None else loop.call_at(deadline, _expire, future)
         try:
             data = await future
         except (asyncio.CancelledError, TimeoutError):
             if self._pending.pop(call_id, None) is not None and not self._closed:
-                self._send(FRAME.pack(CANCEL, call_id))  # cancels the handler on the callee
+                self._send(self._small(FRAME.pack(CANCEL, call_id)))  # cancels the handler
             raise
         finally:
             if timer is not None:
@@ -155,7 +159,10 @@ class OutgoingStream:
         for call_id, future in pending:
             if not future.done():
                 future.set_exception(error())
-                self._send(FRAME.pack(CANCEL, call_id))
+                self._send(self._small(FRAME.pack(CANCEL, call_id)))
+
+    def _small(self, frame: bytes) -> bytes:
+        return LENGTH.pack(len(frame)) + frame if self._sized else frame
 
     def _send(self, frame: bytes | None) -> None:
         wakeup = self._wakeup
@@ -299,6 +306,7 @@ class IncomingStream:
         self._wakeup: asyncio.Future[None] | None = None
         self._ended = False
         self._write_now: Callable[[bytes], bool] | None = getattr(context, "write_nowait", None)
+        self._sized: bool = getattr(context, "sized_frames", False)
 
     async def run(self) -> None:
         """Serve until the peer stops writing or the stream breaks."""
@@ -322,8 +330,8 @@ class IncomingStream:
                     await agent._abort(context, *refusal)
         finally:
             await self._stop_writer(writer)
-            for task in list(self._tasks.values()):
-                task.cancel()  # the caller can no longer receive their responses
+            for call_id in list(self._tasks):
+                self._cancel(call_id)  # the caller can no longer receive their responses
             while self._queue:
                 if self._queue.popleft()[1]:
                     agent.served_now -= 1
@@ -335,9 +343,7 @@ class IncomingStream:
             return grpc.StatusCode.INVALID_ARGUMENT, "malformed stream frame (too short)"
         kind, call_id = FRAME.unpack_from(data)
         if kind == CANCEL:
-            task = self._tasks.get(call_id)
-            if task is not None:
-                task.cancel()
+            self._cancel(call_id)
             return None
         if kind != REQUEST:
             return grpc.StatusCode.INVALID_ARGUMENT, f"unexpected stream frame kind {kind}"
@@ -351,7 +357,7 @@ class IncomingStream:
             )
         if agent.served_now >= limit:
             self._send(
-                status_frame(
+                self._status(
                     call_id,
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"worker {agent.info.name!r} serves max_concurrent_calls={limit} calls",
@@ -370,25 +376,27 @@ class IncomingStream:
                         f"from {header.src!r}: {refusal}"
                     )
         except MalformedMessageError as exc:
-            self._send(status_frame(call_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
+            self._send(self._status(call_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
             return None
         if self._caller is not None:
             agent._heard_from(self._caller)
         # Counted from here, not from the task's start: frames read without a loop iteration
-        # between them (the same-host channel) must meet the limit too.
+        # between them (the same-host channel) must meet the limit too. The call stays
+        # counted while it is in _tasks; whoever takes it out uncounts it or hands the count
+        # on to its response (no done-callback: one loop iteration fewer per call).
         agent.served_now += 1
         # A fresh context per call, as a unary handler's: the request sets its own variables.
-        task = agent.loop.create_task(
+        self._tasks[call_id] = agent.loop.create_task(
             self._serve(call_id, message, header), context=contextvars.Context()
         )
-        task.add_done_callback(self._served)
-        self._tasks[call_id] = task
         return None
 
-    def _served(self, task: asyncio.Task[None]) -> None:
-        # Cancelled (perhaps before it started) or failed: no response will be counted.
-        if task.cancelled() or task.exception() is not None:
+    def _cancel(self, call_id: int) -> None:
+        # Cancelled perhaps before it started (its coroutine then never runs): uncounted here.
+        task = self._tasks.pop(call_id, None)
+        if task is not None:
             self._agent.served_now -= 1
+            task.cancel()
 
     async def _serve(self, call_id: int, message: wire.Message, header: wire.Header | None) -> None:
         agent = self._agent
@@ -397,21 +405,28 @@ class IncomingStream:
             size = response.nbytes + FRAME.size
             limit = agent.options.max_message_size
             if size > limit:
-                frame = status_frame(
+                frame = self._status(
                     call_id,
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"the result of {size} bytes exceeds max_message_size={limit} of worker "
                     f"{agent.info.name!r}",
                 )
             else:
-                frame = response.to_bytes(lead=FRAME.pack(RESPONSE, call_id))
+                frame = response.to_bytes(lead=FRAME.pack(RESPONSE, call_id), sized=self._sized)
         except MalformedMessageError as exc:
-            frame = status_frame(call_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            frame = self._status(call_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RpcError as exc:  # serve() turns errors into responses; this is a safety net
-            frame = status_frame(call_id, grpc.StatusCode.INTERNAL, str(exc))
-        finally:
-            self._tasks.pop(call_id, None)
-        self._send(frame, counted=True)  # counted until written
+            frame = self._status(call_id, grpc.StatusCode.INTERNAL, str(exc))
+        except BaseException:  # cancelled (a teardown) or failed: no response will be sent
+            if self._tasks.pop(call_id, None) is not None:
+                agent.served_now -= 1
+            raise
+        # Still counted unless a CANCEL frame took it out meanwhile: counted until written.
+        self._send(frame, counted=self._tasks.pop(call_id, None) is not None)
+
+    def _status(self, call_id: int, code: Any, details: str) -> bytes:
+        frame = status_frame(call_id, code, details)
+        return LENGTH.pack(len(frame)) + frame if self._sized else frame
 
     def _send(self, frame: bytes, counted: bool = False) -> None:
         if self._ended:  # nobody to write to any more
