@@ -41,7 +41,7 @@ import functools
 import itertools
 import struct
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc  # type: ignore[import-untyped]
 
@@ -76,6 +76,18 @@ def parse_status(data: bytes) -> tuple[Any, str]:
     return code, details.decode(errors="replace")
 
 
+class Waiter(Protocol):
+    """What waits for one call's response frame: an ``asyncio.Future`` (a coroutine awaits
+    it) or an object resolved synchronously in the stream's read callback (a call sent by
+    :meth:`OutgoingStream.start`)."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, data: bytes, /) -> None: ...
+
+    def set_exception(self, error: BaseException, /) -> None: ...
+
+
 def _expire(future: asyncio.Future[bytes]) -> None:
     if not future.done():
         future.set_exception(TimeoutError())
@@ -100,7 +112,7 @@ class OutgoingStream:
         self._call = call
         self._on_close = on_close
         self._ids = itertools.count()
-        self._pending: dict[int, asyncio.Future[bytes]] = {}
+        self._pending: dict[int, Waiter] = {}
         self._queue: collections.deque[bytes | None] = collections.deque()
         self._wakeup: asyncio.Future[None] | None = None
         self._closed = False
@@ -132,7 +144,7 @@ class OutgoingStream:
             raise self._cancelled_error()
         call_id = next(self._ids)
         loop = self._agent.loop
-        future: asyncio.Future[bytes] = loop.create_future()
+        future: asyncio.Future[Any] = loop.create_future()
         self._pending[call_id] = future
         self._send(message.to_bytes(lead=FRAME.pack(REQUEST, call_id), sized=self._sized))
         # A timer on the future rather than a timeout scope on the task: one handle per call.
@@ -146,6 +158,41 @@ class OutgoingStream:
         finally:
             if timer is not None:
                 timer.cancel()
+        return self.response(data)
+
+    def start(
+        self, message: wire.Message, waiter: Waiter, deadline: float | None
+    ) -> tuple[int, asyncio.TimerHandle | None]:
+        """Send one request now; its response frame (or the call's failure: ``TimeoutError``
+        past ``deadline``, the stream's error) goes to ``waiter`` from the read callback,
+        with no task woken. Returns the call's id on this stream (for :meth:`abandon`) and
+        the deadline's timer (the waiter cancels it once resolved)."""
+        call_id = next(self._ids)
+        self._pending[call_id] = waiter
+        self._send(message.to_bytes(lead=FRAME.pack(REQUEST, call_id), sized=self._sized))
+        if deadline is None:
+            return call_id, None
+        return call_id, self._agent.loop.call_at(deadline, self._expire_call, call_id)
+
+    def _expire_call(self, call_id: int) -> None:
+        waiter = self._pending.get(call_id)
+        if waiter is not None and not waiter.done():
+            self.abandon(call_id)
+            waiter.set_exception(TimeoutError())
+
+    def abandon(self, call_id: int) -> None:
+        """Forget call ``call_id`` of :meth:`start` (its caller gave up) and tell the callee
+        to cancel its handler."""
+        if self._pending.pop(call_id, None) is not None and not self._closed:
+            self._send(self._small(FRAME.pack(CANCEL, call_id)))
+
+    def response(self, data: bytes) -> wire.Message:
+        """The message of a ``RESPONSE`` frame.
+
+        Raises:
+            RpcError: the mapped status of a ``STATUS`` frame.
+            MalformedMessageError: a malformed message.
+        """
         if data[0] == STATUS:
             code, details = parse_status(data)
             raise self._agent.status_error(code, details, self.peer)
