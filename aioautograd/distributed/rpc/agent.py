@@ -408,7 +408,11 @@ class RpcAgent(ABC):
 
         See :func:`~aioautograd.distributed.rpc.rpc_async` for the semantics.
         """
-        return await self._complete(self._prepare(to, fn, args, kwargs, timeout, rref_id))
+        outgoing = self._prepare(to, fn, args, kwargs, timeout, rref_id)
+        future = self._send_now(outgoing)
+        if future is not None:
+            return await future
+        return await self._complete(outgoing)
 
     def call_soon(
         self,
