@@ -34,6 +34,8 @@ class RpcFuture(asyncio.Future, Generic[T]):  # type: ignore[type-arg]
         assert await doubled == 2 * await fut
     """
 
+    __slots__ = ()
+
     def value(self) -> T:
         """The result (PyTorch's ``Future.value()``); raises the call's error.
 

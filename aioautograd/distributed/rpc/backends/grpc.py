@@ -809,9 +809,11 @@ class GrpcAgent(RpcAgent):
 
 class _Waiter:
     """The stream's waiter of a call sent by ``GrpcAgent._send_now``: resolves the call's
-    future in the stream's read callback (or its timer's, or the stream's failure)."""
+    future in the stream's read callback (or its timer's, or the stream's failure). It lets
+    go of the future and the request once the call is over: no reference cycle is left for
+    the garbage collector (one per call otherwise)."""
 
-    __slots__ = ("agent", "call_id", "ended", "future", "held", "outgoing", "stream", "timer")
+    __slots__ = ("agent", "call_id", "future", "held", "outgoing", "stream", "timer")
 
     def __init__(
         self,
@@ -822,49 +824,56 @@ class _Waiter:
         stream: OutgoingStream,
     ) -> None:
         self.agent = agent
-        self.outgoing = outgoing
+        self.outgoing: _Outgoing | None = outgoing
         self.held = held
-        self.future = future
+        self.future: _SentCall | None = future
         self.stream = stream
         self.call_id = -1
         self.timer: asyncio.TimerHandle | None = None
-        self.ended = False
 
     def done(self) -> bool:
-        return self.ended
+        return self.future is None
 
-    def end(self) -> bool:
-        """Release what the call holds; False when it had ended already."""
-        if self.ended:
-            return False
-        self.ended = True
+    def end(self) -> tuple[_SentCall, _Outgoing] | None:
+        """Release what the call holds; returns its future and request, or None when it had
+        ended already."""
+        future, outgoing = self.future, self.outgoing
+        if future is None or outgoing is None:
+            return None
+        self.future = self.outgoing = None
         if self.timer is not None:
             self.timer.cancel()
+            self.timer = None
         self.agent._call_ended(self.held)
-        return True
+        return future, outgoing
 
     def set_result(self, data: bytes) -> None:
-        if not self.end() or self.future.done():
+        ended = self.end()
+        if ended is None or ended[0].done():
             return
+        future, outgoing = ended
         try:
-            value = self.agent._response_value(self.outgoing, self.stream.response(data))
+            value = self.agent._response_value(outgoing, self.stream.response(data))
         except Exception as exc:
-            self.future.set_exception(exc)
+            future.set_exception(exc)
         else:
-            self.future.set_result(value)
+            future.set_result(value)
 
     def set_exception(self, error: BaseException) -> None:
-        if not self.end() or self.future.done():
+        ended = self.end()
+        if ended is None or ended[0].done():
             return
+        future, outgoing = ended
         if type(error) is TimeoutError:
-            outgoing = self.outgoing
             error = call_timeout_error(outgoing.name, outgoing.dst, outgoing.seconds)
-        self.future.set_exception(error)
+        future.set_exception(error)
 
 
 class _SentCall(RpcFuture[Any]):
     """The future of a call sent by ``GrpcAgent._send_now``; cancelling it cancels the
     handler on the callee."""
+
+    __slots__ = ("_waiter",)
 
     _waiter: _Waiter
 
@@ -872,7 +881,7 @@ class _SentCall(RpcFuture[Any]):
         if not super().cancel(msg):
             return False
         waiter = self._waiter
-        if waiter.end():
+        if waiter.end() is not None:
             waiter.stream.abandon(waiter.call_id)
         return True
 
