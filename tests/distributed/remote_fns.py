@@ -166,3 +166,17 @@ async def stream_transports() -> dict[str, str]:
         peer: "same-host" if isinstance(stream._call, LocalCall) else "grpc"
         for peer, stream in streams.items()
     }
+
+
+@rpc.register
+async def served_now() -> int:
+    """The ``grpc`` agent's count of the calls it serves (this one included)."""
+    count: int = rpc.get_current_agent().served_now  # type: ignore[attr-defined]
+    return count
+
+
+@rpc.register
+async def arrival_time() -> float:
+    """``time.monotonic()`` when this call started here (one clock for every process of a
+    Linux host)."""
+    return time.monotonic()

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +255,47 @@ async def test_a_peer_that_does_not_read_holds_at_most_the_served_calls(tmp_path
                 await asyncio.sleep(0.05)
         else:
             pytest.fail("the calls of a peer that went away still count")
+        assert await world.close() == {"worker1": 0}
+    finally:
+        world.kill_all()
+
+
+async def test_a_call_on_an_open_stream_is_written_at_the_call_without_a_task(
+    tmp_path: Path,
+) -> None:
+    world = await start_world("grpc", tmp_path, n_workers=1)
+    try:
+        driver: Any = world.driver
+        assert await rpc.rpc_async("worker1", remote_fns.add, args=(1, 2)) == 3  # opens it
+        future = rpc.rpc_async("worker1", remote_fns.arrival_time)
+        assert isinstance(future, rpc.RpcFuture)
+        assert not isinstance(future, asyncio.Task)  # resolved by the stream's read callback
+        # This loop is blocked: the worker can serve the call meanwhile only if the request
+        # left at the call (a task would send it once the loop runs again).
+        time.sleep(1.0)  # noqa: ASYNC251
+        resumed = time.monotonic()
+        assert await future < resumed
+        # Such a call cancelled cancels its handler, and gives back its place in the budget.
+        before = await rpc.rpc_async("worker1", remote_fns.cancelled_count)
+        sleeping = rpc.rpc_async("worker1", remote_fns.sleep, args=(30,))
+        assert not isinstance(sleeping, asyncio.Task)
+        assert driver._budget.used_calls == 1
+        await asyncio.sleep(0.2)
+        sleeping.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await sleeping
+        assert driver._budget.used_calls == 0
+        assert driver._calls == 0
+        for _ in range(100):
+            if await rpc.rpc_async("worker1", remote_fns.cancelled_count) > before:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("cancelling the call did not cancel its handler")
+        # Past its deadline it fails with the error that names it, and gives its place back.
+        with pytest.raises(rpc.RpcTimeoutError, match=re.escape(repr(name_of(remote_fns.sleep)))):
+            await rpc.rpc_async("worker1", remote_fns.sleep, args=(30,), timeout=0.2)
+        assert (driver._budget.used_calls, driver._calls) == (0, 0)
         assert await world.close() == {"worker1": 0}
     finally:
         world.kill_all()

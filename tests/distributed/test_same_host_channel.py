@@ -31,6 +31,7 @@ from aioautograd.distributed.rpc.backends.grpc_local import (
     host_id,
 )
 from aioautograd.distributed.rpc.backends.grpc_stream import (
+    CANCEL,
     FRAME,
     REQUEST,
     RESPONSE,
@@ -297,6 +298,37 @@ async def test_frames_over_max_message_size_are_refused_unread(tmp_path: Path) -
         assert await rpc.rpc_async("worker1", remote_fns.add, args=(1, 2)) == 3
         after = await rpc.rpc_async("worker1", hardening_fns.memory_mb)
         assert after["VmHWM"] - before["VmHWM"] < 16, (before, after)
+        assert await world.close() == {"worker1": 0}
+    finally:
+        world.kill_all()
+
+
+async def test_a_call_cancelled_before_it_starts_gives_its_place_back(tmp_path: Path) -> None:
+    # One record, so that the three frames are dispatched in one read callback: the sleep is
+    # cancelled before its task ever runs, and its place under max_concurrent_calls=1 must be
+    # free at once for the next request (and counted back once only).
+    world = await start_world(
+        "grpc", tmp_path, n_workers=1, grpc_options={"max_concurrent_calls": 1}
+    )
+    try:
+        assert world.token is not None
+        path = _path(world, "worker1")
+        batch = b"".join(
+            [
+                _record(_request(1, "driver", remote_fns.sleep, [30])),
+                _record(FRAME.pack(CANCEL, 1)),
+                _record(_request(2, "driver", remote_fns.add, [2, 3])),
+            ]
+        )
+        frames = await _raw(path, [_record(_hello(world.token)), batch], 1)
+        assert [FRAME.unpack_from(frame) for frame in frames] == [(RESPONSE, 2)]
+        response = wire.Message.from_bytes(memoryview(frames[0])[FRAME.size :])
+        assert wire.decode_payload(wire.decode_header(response), response) == 5
+        assert await rpc.rpc_async("worker1", remote_fns.served_now) == 1  # this call only
+        # A stream's frames are built with their length (one write each): the same bytes.
+        message = wire.encode({"k": wire.REQUEST, "id": 3, "src": "driver"}, [[ag.ones(5000)], {}])
+        sized = message[0].to_bytes(lead=FRAME.pack(REQUEST, 3), sized=True)
+        assert sized == _record(message[0].to_bytes(lead=FRAME.pack(REQUEST, 3)))
         assert await world.close() == {"worker1": 0}
     finally:
         world.kill_all()

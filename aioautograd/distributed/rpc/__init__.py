@@ -18,7 +18,7 @@ PyTorch's ``torch.distributed.rpc`` API, as coroutines::
         await rpc.shutdown()           # serves peers until every worker reached it
 
 As in PyTorch, ``rpc_async`` sends at the call and returns a future (:class:`RpcFuture`, an
-``asyncio.Task``: done-callbacks, ``then`` chaining, cancellation). RRefs have PyTorch's
+``asyncio.Future``: done-callbacks, ``then`` chaining, cancellation). RRefs have PyTorch's
 ``to_here``, ``local_value`` (waits for a value still being created, except in a coroutine
 on the owner's loop, which must ``await rref.to_here()``), ``confirmed_by_owner``,
 ``backward`` and the proxies ``rref.rpc_sync()``, ``rref.rpc_async()`` and ``rref.remote()``

@@ -43,7 +43,7 @@ from aioautograd.distributed.rpc.errors import (
     rebuild_remote_error,
     type_name_of,
 )
-from aioautograd.distributed.rpc.futures import RpcFuture
+from aioautograd.distributed.rpc.futures import RpcFuture, RpcTask
 from aioautograd.distributed.rpc.interceptors import (
     MessageInfo,
     RpcInterceptor,
@@ -136,7 +136,7 @@ class RpcAgent(ABC):
         self._stopped = False
         self._inflight: dict[str, set[asyncio.Task[wire.Message]]] = {}
         self._serving: set[asyncio.Task[Any]] = set()
-        self._background: set[asyncio.Task[Any]] = set()
+        self._background: set[asyncio.Future[Any]] = set()
         self._dead: dict[str, str] = {}
         self._ready_from: set[str] = set()
         self._closing = False  # this worker has entered the shutdown barrier
@@ -284,7 +284,7 @@ class RpcAgent(ABC):
         if self in _live_agents:
             _live_agents.remove(self)
         me = asyncio.current_task()
-        tasks = [t for group in self._inflight.values() for t in group]
+        tasks: list[asyncio.Future[Any]] = [t for group in self._inflight.values() for t in group]
         tasks += [*self._background, *self._serving]
         tasks = [t for t in tasks if t is not me and not t.done()]
         for task in tasks:
@@ -408,7 +408,11 @@ class RpcAgent(ABC):
 
         See :func:`~aioautograd.distributed.rpc.rpc_async` for the semantics.
         """
-        return await self._complete(self._prepare(to, fn, args, kwargs, timeout, rref_id))
+        outgoing = self._prepare(to, fn, args, kwargs, timeout, rref_id)
+        future = self._send_now(outgoing)
+        if future is not None:
+            return await future
+        return await self._complete(outgoing)
 
     def call_soon(
         self,
@@ -421,7 +425,8 @@ class RpcAgent(ABC):
         rref_id: RRefId | None = None,
     ) -> RpcFuture[Any]:
         """Encode the call now (arguments, autograd records, the timeout in force) and send
-        it from a task; return that task (see :func:`~aioautograd.distributed.rpc.rpc_async`).
+        it: at once when the transport can (:meth:`_send_now`), else from a task; return its
+        future (see :func:`~aioautograd.distributed.rpc.rpc_async`).
 
         Raises:
             RuntimeError: when called off the agent's event loop (use ``rpc_sync``).
@@ -432,7 +437,16 @@ class RpcAgent(ABC):
                 "thread use rpc.rpc_sync()"
             )
         outgoing = self._prepare(to, fn, args, kwargs, timeout, rref_id)
-        return RpcFuture(self._complete(outgoing), loop=self.loop)
+        future = self._send_now(outgoing)
+        if future is not None:
+            return future
+        return RpcTask(self._complete(outgoing), loop=self.loop)
+
+    def _send_now(self, outgoing: _Outgoing) -> RpcFuture[Any] | None:
+        """Send ``outgoing`` at once and return its future, resolved by the transport (no
+        task per call); ``None`` where this call needs the general path (a task running
+        :meth:`_complete`). None by default."""
+        return None
 
     def _prepare(
         self,
@@ -462,10 +476,15 @@ class RpcAgent(ABC):
         return _Outgoing(dst, name, call_id, seconds, message, objects)
 
     async def _complete(self, outgoing: _Outgoing) -> Any:
-        dst, name, call_id = outgoing.dst, outgoing.name, outgoing.call_id
+        dst = outgoing.dst
         for obj in outgoing.objects:
             await self.rrefs.register_fork(obj, dst)
-        response = await self._exchange(dst, outgoing.message, outgoing.seconds, name)
+        response = await self._exchange(dst, outgoing.message, outgoing.seconds, outgoing.name)
+        return self._response_value(outgoing, response)
+
+    def _response_value(self, outgoing: _Outgoing, response: wire.Message) -> Any:
+        """The result of ``outgoing``'s call from its ``response`` (raises its error)."""
+        dst, name, call_id = outgoing.dst, outgoing.name, outgoing.call_id
         header = wire.decode_header(response)
         if header.call_id != call_id or header.kind == wire.REQUEST:
             raise MalformedMessageError(f"malformed response from worker {dst.name!r}")
@@ -507,7 +526,7 @@ class RpcAgent(ABC):
             inflight.discard(task)
             task.cancel()
 
-    def track(self, task: asyncio.Task[Any]) -> None:
+    def track(self, task: asyncio.Future[Any]) -> None:
         """Own ``task``: a graceful shutdown waits for it, a teardown cancels it."""
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -118,7 +118,7 @@ def rpc_async(
 
     As in PyTorch, the call is made when ``rpc_async`` is called (arguments encoded,
     distributed autograd records made, the default timeout read), not when the future is
-    awaited. The :class:`RpcFuture` is an ``asyncio.Task``: ``await`` it, give it to
+    awaited. The :class:`RpcFuture` is an ``asyncio.Future``: ``await`` it, give it to
     ``asyncio.gather``, add done-callbacks, or chain with :meth:`RpcFuture.then`;
     cancelling it cancels the remote work. ``fn`` is a registered function (or
     allow-listed on the callee), or its wire name. The arguments and the result are copied

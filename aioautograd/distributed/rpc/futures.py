@@ -1,11 +1,15 @@
 """`RpcFuture`: what ``rpc_async`` returns (PyTorch's ``torch.futures.Future``, as an asyncio
-task).
+future).
 
 The call is encoded and handed to the transport when ``rpc_async`` is called, not when the
-future is awaited: a future nobody awaits still runs its call. Being an ``asyncio.Task``, it
-is awaitable, takes done-callbacks (``add_done_callback``), works with ``asyncio.gather`` /
-``wait_for``, and cancelling it cancels the remote work. :meth:`RpcFuture.then` chains a
+future is awaited: a future nobody awaits still runs its call. Being an ``asyncio.Future``,
+it is awaitable, takes done-callbacks (``add_done_callback``), works with ``asyncio.gather``
+/ ``wait_for``, and cancelling it cancels the remote work. :meth:`RpcFuture.then` chains a
 callback as PyTorch's ``Future.then`` does.
+
+A transport that can send at once (``grpc`` to a peer with an open stream) resolves the
+future from its read callback, with no task per call; otherwise the call runs in a task,
+which is the future (:class:`RpcTask`).
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ T = TypeVar("T")
 S = TypeVar("S")
 
 
-class RpcFuture(asyncio.Task, Generic[T]):  # type: ignore[type-arg]
-    """The pending result of one remote call (an ``asyncio.Task``).
+class RpcFuture(asyncio.Future, Generic[T]):  # type: ignore[type-arg]
+    """The pending result of one remote call (an ``asyncio.Future``).
 
     Example::
 
@@ -29,6 +33,8 @@ class RpcFuture(asyncio.Task, Generic[T]):  # type: ignore[type-arg]
         doubled = fut.then(lambda f: f.value() * 2)          # a chained future
         assert await doubled == 2 * await fut
     """
+
+    __slots__ = ()
 
     def value(self) -> T:
         """The result (PyTorch's ``Future.value()``); raises the call's error.
@@ -73,6 +79,12 @@ class RpcFuture(asyncio.Task, Generic[T]):  # type: ignore[type-arg]
 
         self.add_done_callback(resolve)
         return chained
+
+
+class RpcTask(asyncio.Task, RpcFuture[T]):  # type: ignore[type-arg]
+    """An :class:`RpcFuture` whose call runs in a task of its own (the general path: a
+    transport without an immediate send, or a call that must first wait, e.g. for room in
+    the in-flight budget)."""
 
 
 def _copy_outcome(source: asyncio.Future[Any], target: asyncio.Future[Any]) -> None:

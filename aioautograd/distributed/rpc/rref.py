@@ -77,7 +77,7 @@ class RRef(Generic[T]):
     _owner: WorkerInfo
     _rref_id: RRefId
     _state: _OwnerState | None
-    _creation: asyncio.Task[Any] | None
+    _creation: asyncio.Future[Any] | None
 
     def __init__(self, value: T) -> None:
         agent = current_agent()
@@ -91,7 +91,7 @@ class RRef(Generic[T]):
         owner: WorkerInfo,
         rref_id: RRefId,
         state: _OwnerState | None,
-        creation: asyncio.Task[Any] | None,
+        creation: asyncio.Future[Any] | None,
     ) -> None:
         self._agent = agent
         self._owner = owner
@@ -109,7 +109,7 @@ class RRef(Generic[T]):
         rref_id: RRefId,
         *,
         state: _OwnerState | None = None,
-        creation: asyncio.Task[Any] | None = None,
+        creation: asyncio.Future[Any] | None = None,
     ) -> RRef[Any]:
         rref: RRef[Any] = object.__new__(cls)
         rref._init(agent, owner, rref_id, state, creation)
@@ -375,16 +375,26 @@ class RRefContext:
 
     async def register_fork(self, obj: Any, dst: WorkerInfo) -> None:
         """Before ``obj`` (if an RRef) goes to ``dst``, make its owner count ``dst`` as a user."""
-        if not isinstance(obj, RRef):
-            return
-        if dst == obj._owner:
-            if obj._state is not None:  # the owner sends its own RRef to itself: resolvable
-                self.owned.setdefault(obj._rref_id, obj._state).in_transit += 1
-            return
-        if obj._state is not None:
-            self.owned.setdefault(obj._rref_id, obj._state).users += 1
-        else:
+        if self.fork_needs_call(obj, dst):
             await self.agent.call(obj._owner, f"{INTERNAL_PREFIX}rref_fork", obj._rref_id)
+        else:
+            self.register_fork_here(obj, dst)
+
+    @staticmethod
+    def fork_needs_call(obj: Any, dst: WorkerInfo) -> bool:
+        """Whether :meth:`register_fork` must tell the owner of ``obj`` (a user's RRef sent
+        to a third worker), rather than count here."""
+        return isinstance(obj, RRef) and dst != obj._owner and obj._state is None
+
+    def register_fork_here(self, obj: Any, dst: WorkerInfo) -> None:
+        """:meth:`register_fork` for an ``obj`` that needs no call (``fork_needs_call``)."""
+        if not isinstance(obj, RRef) or obj._state is None:
+            return
+        state = self.owned.setdefault(obj._rref_id, obj._state)
+        if dst == obj._owner:  # the owner sends its own RRef to itself: resolvable
+            state.in_transit += 1
+        else:
+            state.users += 1
 
     # Internal functions, called by peers (``src`` is the calling worker).
     async def fetch(self, src: WorkerInfo, creator: int, local: int) -> Any:
@@ -420,7 +430,7 @@ class RRefContext:
 
     # Deleting user references.
     def release(
-        self, owner: str, rref_id: RRefId, creation: asyncio.Task[Any] | None = None
+        self, owner: str, rref_id: RRefId, creation: asyncio.Future[Any] | None = None
     ) -> None:
         """Queue the deletion of one user reference (thread-safe; from RRef finalizers)."""
         loop = self.agent.loop
@@ -430,7 +440,7 @@ class RRefContext:
             loop.call_soon_threadsafe(self._queue_delete, owner, rref_id, creation)
 
     def _queue_delete(
-        self, owner: str, rref_id: RRefId, creation: asyncio.Task[Any] | None
+        self, owner: str, rref_id: RRefId, creation: asyncio.Future[Any] | None
     ) -> None:
         if self.agent.is_shut_down:
             return

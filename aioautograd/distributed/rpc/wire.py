@@ -48,6 +48,7 @@ from aioautograd.tensor import Tensor
 MAGIC = b"AAG\x01"
 _PREFIX = struct.Struct("<4sII")
 _LENGTH = struct.Struct("<Q")
+_SIZE = struct.Struct("<I")  # to_bytes(sized=True)
 # What one message may declare, so that a small hostile message cannot cost a lot of memory
 # (a Python object per msgpack item or buffer is ~30-200x the bytes that declare it).
 MAX_BUFFERS = 1 << 16  # arrays in one message
@@ -135,13 +136,20 @@ class Message:
             + sum(memoryview(buffer).nbytes for buffer in self.buffers)
         )
 
-    def to_bytes(self, lead: bytes = b"") -> bytes:
+    def to_bytes(self, lead: bytes = b"", *, sized: bool = False) -> bytes:
         """The framed form (one copy of every buffer), for byte-stream transports.
 
-        ``lead`` goes before it in the same copy (a transport's own frame prefix).
+        ``lead`` goes before it in the same copy (a transport's own frame prefix);
+        ``sized`` puts the length of the rest (``lead`` included) before everything, as a
+        little-endian uint32, for a transport that delimits frames by length: the whole
+        frame then goes to the socket in one write.
         """
-        lengths = b"".join(_LENGTH.pack(memoryview(b).nbytes) for b in self.buffers)
+        sizes = [memoryview(b).nbytes for b in self.buffers]
+        lengths = b"".join([_LENGTH.pack(size) for size in sizes])
         prefix = _PREFIX.pack(MAGIC, len(self.header), len(self.buffers))
+        if sized:
+            total = len(lead) + len(prefix) + len(lengths) + len(self.header) + sum(sizes)
+            lead = _SIZE.pack(total) + lead
         return b"".join([lead, prefix, lengths, self.header, *self.buffers])
 
     @classmethod

@@ -71,7 +71,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     ) from exc
 
 from aioautograd.distributed.rpc import wire
-from aioautograd.distributed.rpc.agent import RpcAgent, call_timeout_error
+from aioautograd.distributed.rpc.agent import RpcAgent, _Outgoing, call_timeout_error
 from aioautograd.distributed.rpc.backends import grpc_local
 from aioautograd.distributed.rpc.backends.grpc_stream import FRAME, IncomingStream, OutgoingStream
 from aioautograd.distributed.rpc.errors import (
@@ -82,6 +82,7 @@ from aioautograd.distributed.rpc.errors import (
     RpcTimeoutError,
     WorkerUnavailableError,
 )
+from aioautograd.distributed.rpc.futures import RpcFuture
 from aioautograd.distributed.rpc.memory import keep_freed_memory
 from aioautograd.distributed.rpc.options import GrpcOptions
 from aioautograd.distributed.rpc.worker import WorkerInfo
@@ -669,6 +670,46 @@ class GrpcAgent(RpcAgent):
             if self._calls == 0 and idle is not None and not idle.done():
                 idle.set_result(None)
 
+    def _send_now(self, outgoing: _Outgoing) -> RpcFuture[Any] | None:
+        # A call to a peer whose stream is open, with room in the in-flight budget and no
+        # RRef whose owner must be told first, is written now and resolved in the stream's
+        # read callback: no task, and its caller wakes one loop iteration after the response
+        # arrives (a task per call costs it two more). Anything else takes the general path.
+        dst = outgoing.dst
+        name = dst.name
+        if name == self.info.name or self._stopped or name in self._dead:
+            return None
+        stream = self._streams.get(name)
+        if stream is None or stream.closed:
+            return None
+        rrefs = self.rrefs
+        if any(rrefs.fork_needs_call(obj, dst) for obj in outgoing.objects):
+            return None
+        message = outgoing.message
+        size = message.nbytes
+        if size + FRAME.size > self.options.max_message_size:
+            return None  # the general path raises the error that says so
+        held = self._budget.try_acquire(size)
+        if held is None:
+            return None  # it waits for room in a task
+        for obj in outgoing.objects:
+            rrefs.register_fork_here(obj, dst)
+        future = _SentCall(loop=self.loop)
+        waiter = future._waiter = _Waiter(self, outgoing, held, future, stream)
+        self._calls += 1
+        seconds = outgoing.seconds
+        deadline = None if seconds is None else self.loop.time() + seconds
+        waiter.call_id, waiter.timer = stream.start(message, waiter, deadline)
+        return future
+
+    def _call_ended(self, held: int) -> None:
+        """A call of :meth:`_send_now` is over: its budget and its count go."""
+        self._budget.release(held)
+        self._calls -= 1
+        idle = self._calls_idle
+        if self._calls == 0 and idle is not None and not idle.done():
+            idle.set_result(None)
+
     def _fail_calls_to(self, name: str, reason: str) -> None:
         stream = self._streams.get(name)
         if stream is not None:
@@ -764,6 +805,85 @@ class GrpcAgent(RpcAgent):
             return  # it answered meanwhile (this loop was the slow one)
         self._lost.add(peer)
         self.mark_dead(peer, f"{_LOST_PREFIX} {limit:g} s")
+
+
+class _Waiter:
+    """The stream's waiter of a call sent by ``GrpcAgent._send_now``: resolves the call's
+    future in the stream's read callback (or its timer's, or the stream's failure). It lets
+    go of the future and the request once the call is over: no reference cycle is left for
+    the garbage collector (one per call otherwise)."""
+
+    __slots__ = ("agent", "call_id", "future", "held", "outgoing", "stream", "timer")
+
+    def __init__(
+        self,
+        agent: GrpcAgent,
+        outgoing: _Outgoing,
+        held: int,
+        future: _SentCall,
+        stream: OutgoingStream,
+    ) -> None:
+        self.agent = agent
+        self.outgoing: _Outgoing | None = outgoing
+        self.held = held
+        self.future: _SentCall | None = future
+        self.stream = stream
+        self.call_id = -1
+        self.timer: asyncio.TimerHandle | None = None
+
+    def done(self) -> bool:
+        return self.future is None
+
+    def end(self) -> tuple[_SentCall, _Outgoing] | None:
+        """Release what the call holds; returns its future and request, or None when it had
+        ended already."""
+        future, outgoing = self.future, self.outgoing
+        if future is None or outgoing is None:
+            return None
+        self.future = self.outgoing = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.agent._call_ended(self.held)
+        return future, outgoing
+
+    def set_result(self, data: bytes) -> None:
+        ended = self.end()
+        if ended is None or ended[0].done():
+            return
+        future, outgoing = ended
+        try:
+            value = self.agent._response_value(outgoing, self.stream.response(data))
+        except Exception as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(value)
+
+    def set_exception(self, error: BaseException) -> None:
+        ended = self.end()
+        if ended is None or ended[0].done():
+            return
+        future, outgoing = ended
+        if type(error) is TimeoutError:
+            error = call_timeout_error(outgoing.name, outgoing.dst, outgoing.seconds)
+        future.set_exception(error)
+
+
+class _SentCall(RpcFuture[Any]):
+    """The future of a call sent by ``GrpcAgent._send_now``; cancelling it cancels the
+    handler on the callee."""
+
+    __slots__ = ("_waiter",)
+
+    _waiter: _Waiter
+
+    def cancel(self, msg: Any = None) -> bool:
+        if not super().cancel(msg):
+            return False
+        waiter = self._waiter
+        if waiter.end() is not None:
+            waiter.stream.abandon(waiter.call_id)
+        return True
 
 
 class _Heartbeat:

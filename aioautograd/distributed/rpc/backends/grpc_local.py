@@ -56,6 +56,7 @@ import msgpack  # type: ignore[import-untyped]
 
 from aioautograd.distributed.rpc.backends.grpc_stream import (
     FRAME,
+    LENGTH,
     STATUS,
     IncomingStream,
     parse_status,
@@ -68,11 +69,9 @@ if TYPE_CHECKING:
 
 HELLO = 4
 CHANNEL_ID = (1 << 64) - 1  # the call id of a STATUS frame that refuses the whole channel
-LENGTH = struct.Struct("<I")
 HELLO_LIMIT = 4096
 HELLO_TIMEOUT_S = 10.0
 _CHUNK = 1 << 16  # the read buffer; a larger frame is read into a buffer of its own
-_JOIN_BELOW = 1 << 14  # frames below this are sent with their length in one write
 _MAX_QUEUED = 64  # frames read ahead of their consumer before the socket stops reading
 _STOP_GRACE_S = 2.0
 _REFUSAL_LINGER_S = 0.5
@@ -316,23 +315,23 @@ class FrameProtocol(asyncio.BufferedProtocol):
         finally:
             self._receiver = None
 
-    def write_nowait(self, frame: bytes) -> bool:
-        """Send one frame if the socket's buffer has room (``False``: it was not sent)."""
+    def write_nowait(self, frame: bytes, sized: bool = False) -> bool:
+        """Send one frame if the socket's buffer has room (``False``: it was not sent);
+        ``sized``: the frame starts with its length already (``Message.to_bytes(sized=True)``).
+        """
         transport = self.transport
         if self._paused_writing or self.error is not None or transport is None:
             return False
         if transport.is_closing():
             return False
-        length = LENGTH.pack(len(frame))
-        if len(frame) < _JOIN_BELOW:
-            transport.write(length + frame)
-        else:
-            transport.write(length)
-            transport.write(frame)
+        # A sized frame (every frame of a stream) goes in one write; an unsized one is small
+        # (the credentials): joined with its length.
+        transport.write(frame if sized else LENGTH.pack(len(frame)) + frame)
         return True
 
-    async def write(self, frame: bytes) -> None:
-        """Send one frame; waits while the socket's buffer is full."""
+    async def write(self, frame: bytes, sized: bool = False) -> None:
+        """Send one frame (``sized``: see :meth:`write_nowait`); waits while the socket's
+        buffer is full."""
         while self._paused_writing and self.error is None:
             transport = self.transport
             if transport is None or transport.is_closing():
@@ -344,7 +343,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 self._drained = None
         if self.error is not None:
             raise self.error
-        if not self.write_nowait(frame):
+        if not self.write_nowait(frame, sized):
             raise ConnectionResetError("the channel is closed")
 
     @property
@@ -378,8 +377,11 @@ class LocalCall:
     call that :class:`~.grpc_stream.OutgoingStream` uses (read, write, done_writing, cancel).
 
     Connects in the background: the first read or write waits for it. A failed connection,
-    a refusal by the callee and a broken socket raise ``grpc.aio.AioRpcError``.
+    a refusal by the callee and a broken socket raise ``grpc.aio.AioRpcError``. Frames come
+    with their length (``sized_frames``).
     """
+
+    sized_frames = True
 
     def __init__(self, agent: GrpcAgent, peer: str, path: str, hello: bytes) -> None:
         self._peer = peer
@@ -413,12 +415,12 @@ class LocalCall:
 
     def write_nowait(self, frame: bytes) -> bool:
         """Send ``frame`` at once if the channel is ready and has room."""
-        return self._ready and not self._cancelled and self._protocol.write_nowait(frame)
+        return self._ready and not self._cancelled and self._protocol.write_nowait(frame, True)
 
     async def write(self, frame: bytes) -> None:
         protocol = await self._connected()
         try:
-            await protocol.write(frame)
+            await protocol.write(frame, True)
         except grpc.aio.AioRpcError:
             raise
         except Exception as exc:
@@ -485,7 +487,10 @@ class LocalCall:
 
 class LocalContext:
     """The callee's end of a same-host channel, with the surface of a ``grpc.aio`` servicer
-    context that :class:`~.grpc_stream.IncomingStream` and the agent's identity check use."""
+    context that :class:`~.grpc_stream.IncomingStream` and the agent's identity check use.
+    Frames come with their length (``sized_frames``)."""
+
+    sized_frames = True
 
     def __init__(self, protocol: FrameProtocol, caller: str | None) -> None:
         self._protocol = protocol
@@ -496,13 +501,13 @@ class LocalContext:
         return grpc.aio.EOF if frame is None else frame
 
     async def write(self, frame: bytes) -> None:
-        await self._protocol.write(frame)
+        await self._protocol.write(frame, True)
 
     async def deliver_to(self, receiver: Callable[[bytes | bytearray], Any]) -> Any:
         return await self._protocol.deliver_to(receiver)
 
     def write_nowait(self, frame: bytes) -> bool:
-        return self._protocol.write_nowait(frame)
+        return self._protocol.write_nowait(frame, True)
 
     async def abort(self, code: Any, details: str) -> None:
         self._protocol.refuse(code, details)

@@ -41,7 +41,7 @@ import functools
 import itertools
 import struct
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc  # type: ignore[import-untyped]
 
@@ -56,6 +56,9 @@ if TYPE_CHECKING:
     from aioautograd.distributed.rpc.backends.grpc import GrpcAgent
 
 FRAME = struct.Struct("<BQ")
+# A transport that delimits frames by length (the same-host channel) takes them with this
+# prefix (``sized_frames``), built in the frame's one copy: one write per frame.
+LENGTH = struct.Struct("<I")
 REQUEST, RESPONSE, CANCEL, STATUS = 0, 1, 2, 3
 _CLOSE_GRACE_S = 1.0
 
@@ -71,6 +74,18 @@ def parse_status(data: bytes) -> tuple[Any, str]:
     name, _, details = bytes(memoryview(data)[FRAME.size :]).partition(b"\0")
     code = grpc.StatusCode.__members__.get(name.decode(errors="replace"), grpc.StatusCode.UNKNOWN)
     return code, details.decode(errors="replace")
+
+
+class Waiter(Protocol):
+    """What waits for one call's response frame: an ``asyncio.Future`` (a coroutine awaits
+    it) or an object resolved synchronously in the stream's read callback (a call sent by
+    :meth:`OutgoingStream.start`)."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, data: bytes, /) -> None: ...
+
+    def set_exception(self, error: BaseException, /) -> None: ...
 
 
 def _expire(future: asyncio.Future[bytes]) -> None:
@@ -97,13 +112,14 @@ class OutgoingStream:
         self._call = call
         self._on_close = on_close
         self._ids = itertools.count()
-        self._pending: dict[int, asyncio.Future[bytes]] = {}
+        self._pending: dict[int, Waiter] = {}
         self._queue: collections.deque[bytes | None] = collections.deque()
         self._wakeup: asyncio.Future[None] | None = None
         self._closed = False
         # A transport whose writes never block (the same-host channel) takes a frame at once
         # when the writer is idle: no wake-up of the writer task per frame.
         self._write_now: Callable[[bytes], bool] | None = getattr(call, "write_nowait", None)
+        self._sized: bool = getattr(call, "sized_frames", False)
         loop = agent.loop
         # Fresh contexts: these tasks outlive the call that opened the stream.
         self._writer = loop.create_task(self._write(), context=contextvars.Context())
@@ -128,20 +144,55 @@ class OutgoingStream:
             raise self._cancelled_error()
         call_id = next(self._ids)
         loop = self._agent.loop
-        future: asyncio.Future[bytes] = loop.create_future()
+        future: asyncio.Future[Any] = loop.create_future()
         self._pending[call_id] = future
-        self._send(message.to_bytes(lead=FRAME.pack(REQUEST, call_id)))
+        self._send(message.to_bytes(lead=FRAME.pack(REQUEST, call_id), sized=self._sized))
         # A timer on the future rather than a timeout scope on the task: one handle per call.
         timer = None if deadline is None else loop.call_at(deadline, _expire, future)
         try:
             data = await future
         except (asyncio.CancelledError, TimeoutError):
             if self._pending.pop(call_id, None) is not None and not self._closed:
-                self._send(FRAME.pack(CANCEL, call_id))  # cancels the handler on the callee
+                self._send(self._small(FRAME.pack(CANCEL, call_id)))  # cancels the handler
             raise
         finally:
             if timer is not None:
                 timer.cancel()
+        return self.response(data)
+
+    def start(
+        self, message: wire.Message, waiter: Waiter, deadline: float | None
+    ) -> tuple[int, asyncio.TimerHandle | None]:
+        """Send one request now; its response frame (or the call's failure: ``TimeoutError``
+        past ``deadline``, the stream's error) goes to ``waiter`` from the read callback,
+        with no task woken. Returns the call's id on this stream (for :meth:`abandon`) and
+        the deadline's timer (the waiter cancels it once resolved)."""
+        call_id = next(self._ids)
+        self._pending[call_id] = waiter
+        self._send(message.to_bytes(lead=FRAME.pack(REQUEST, call_id), sized=self._sized))
+        if deadline is None:
+            return call_id, None
+        return call_id, self._agent.loop.call_at(deadline, self._expire_call, call_id)
+
+    def _expire_call(self, call_id: int) -> None:
+        waiter = self._pending.get(call_id)
+        if waiter is not None and not waiter.done():
+            self.abandon(call_id)
+            waiter.set_exception(TimeoutError())
+
+    def abandon(self, call_id: int) -> None:
+        """Forget call ``call_id`` of :meth:`start` (its caller gave up) and tell the callee
+        to cancel its handler."""
+        if self._pending.pop(call_id, None) is not None and not self._closed:
+            self._send(self._small(FRAME.pack(CANCEL, call_id)))
+
+    def response(self, data: bytes) -> wire.Message:
+        """The message of a ``RESPONSE`` frame.
+
+        Raises:
+            RpcError: the mapped status of a ``STATUS`` frame.
+            MalformedMessageError: a malformed message.
+        """
         if data[0] == STATUS:
             code, details = parse_status(data)
             raise self._agent.status_error(code, details, self.peer)
@@ -155,7 +206,10 @@ class OutgoingStream:
         for call_id, future in pending:
             if not future.done():
                 future.set_exception(error())
-                self._send(FRAME.pack(CANCEL, call_id))
+                self._send(self._small(FRAME.pack(CANCEL, call_id)))
+
+    def _small(self, frame: bytes) -> bytes:
+        return LENGTH.pack(len(frame)) + frame if self._sized else frame
 
     def _send(self, frame: bytes | None) -> None:
         wakeup = self._wakeup
@@ -299,6 +353,7 @@ class IncomingStream:
         self._wakeup: asyncio.Future[None] | None = None
         self._ended = False
         self._write_now: Callable[[bytes], bool] | None = getattr(context, "write_nowait", None)
+        self._sized: bool = getattr(context, "sized_frames", False)
 
     async def run(self) -> None:
         """Serve until the peer stops writing or the stream breaks."""
@@ -322,8 +377,8 @@ class IncomingStream:
                     await agent._abort(context, *refusal)
         finally:
             await self._stop_writer(writer)
-            for task in list(self._tasks.values()):
-                task.cancel()  # the caller can no longer receive their responses
+            for call_id in list(self._tasks):
+                self._cancel(call_id)  # the caller can no longer receive their responses
             while self._queue:
                 if self._queue.popleft()[1]:
                     agent.served_now -= 1
@@ -335,9 +390,7 @@ class IncomingStream:
             return grpc.StatusCode.INVALID_ARGUMENT, "malformed stream frame (too short)"
         kind, call_id = FRAME.unpack_from(data)
         if kind == CANCEL:
-            task = self._tasks.get(call_id)
-            if task is not None:
-                task.cancel()
+            self._cancel(call_id)
             return None
         if kind != REQUEST:
             return grpc.StatusCode.INVALID_ARGUMENT, f"unexpected stream frame kind {kind}"
@@ -351,7 +404,7 @@ class IncomingStream:
             )
         if agent.served_now >= limit:
             self._send(
-                status_frame(
+                self._status(
                     call_id,
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"worker {agent.info.name!r} serves max_concurrent_calls={limit} calls",
@@ -370,25 +423,27 @@ class IncomingStream:
                         f"from {header.src!r}: {refusal}"
                     )
         except MalformedMessageError as exc:
-            self._send(status_frame(call_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
+            self._send(self._status(call_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
             return None
         if self._caller is not None:
             agent._heard_from(self._caller)
         # Counted from here, not from the task's start: frames read without a loop iteration
-        # between them (the same-host channel) must meet the limit too.
+        # between them (the same-host channel) must meet the limit too. The call stays
+        # counted while it is in _tasks; whoever takes it out uncounts it or hands the count
+        # on to its response (no done-callback: one loop iteration fewer per call).
         agent.served_now += 1
         # A fresh context per call, as a unary handler's: the request sets its own variables.
-        task = agent.loop.create_task(
+        self._tasks[call_id] = agent.loop.create_task(
             self._serve(call_id, message, header), context=contextvars.Context()
         )
-        task.add_done_callback(self._served)
-        self._tasks[call_id] = task
         return None
 
-    def _served(self, task: asyncio.Task[None]) -> None:
-        # Cancelled (perhaps before it started) or failed: no response will be counted.
-        if task.cancelled() or task.exception() is not None:
+    def _cancel(self, call_id: int) -> None:
+        # Cancelled perhaps before it started (its coroutine then never runs): uncounted here.
+        task = self._tasks.pop(call_id, None)
+        if task is not None:
             self._agent.served_now -= 1
+            task.cancel()
 
     async def _serve(self, call_id: int, message: wire.Message, header: wire.Header | None) -> None:
         agent = self._agent
@@ -397,21 +452,28 @@ class IncomingStream:
             size = response.nbytes + FRAME.size
             limit = agent.options.max_message_size
             if size > limit:
-                frame = status_frame(
+                frame = self._status(
                     call_id,
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"the result of {size} bytes exceeds max_message_size={limit} of worker "
                     f"{agent.info.name!r}",
                 )
             else:
-                frame = response.to_bytes(lead=FRAME.pack(RESPONSE, call_id))
+                frame = response.to_bytes(lead=FRAME.pack(RESPONSE, call_id), sized=self._sized)
         except MalformedMessageError as exc:
-            frame = status_frame(call_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            frame = self._status(call_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RpcError as exc:  # serve() turns errors into responses; this is a safety net
-            frame = status_frame(call_id, grpc.StatusCode.INTERNAL, str(exc))
-        finally:
-            self._tasks.pop(call_id, None)
-        self._send(frame, counted=True)  # counted until written
+            frame = self._status(call_id, grpc.StatusCode.INTERNAL, str(exc))
+        except BaseException:  # cancelled (a teardown) or failed: no response will be sent
+            if self._tasks.pop(call_id, None) is not None:
+                agent.served_now -= 1
+            raise
+        # Still counted unless a CANCEL frame took it out meanwhile: counted until written.
+        self._send(frame, counted=self._tasks.pop(call_id, None) is not None)
+
+    def _status(self, call_id: int, code: Any, details: str) -> bytes:
+        frame = status_frame(call_id, code, details)
+        return LENGTH.pack(len(frame)) + frame if self._sized else frame
 
     def _send(self, frame: bytes, counted: bool = False) -> None:
         if self._ended:  # nobody to write to any more
