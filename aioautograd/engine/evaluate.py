@@ -334,6 +334,7 @@ def _make_ready(
                         buffer = [None] * len(next_node._input_metadata)
                         buffer[input_nr] = grad
                 else:
+                    # complete_buffer, inlined: a fan-in's last gradient comes here
                     if buffer is None:
                         buffer = _new_buffer(next_node)
                         accumulate(buffer, input_nr, grad, producer, next_node._stream)
@@ -357,12 +358,7 @@ def _make_ready(
                 dependencies[next_node] = count - 1
                 buffer = not_ready.get(next_node)
                 if buffer is None:
-                    buffer = not_ready[next_node] = _new_buffer(next_node)
-                    producers = graph_task.fan_in.get(next_node)
-                    if producers is not None:
-                        orders = slot_orders(next_node, producers)
-                        if orders is not None:
-                            graph_task.slot_orders[next_node] = orders
+                    buffer = _new_held_buffer(graph_task, next_node)
                 # _add, inlined: a fan's branches all come here
                 orders = graph_task.slot_orders.get(next_node)
                 order = orders[input_nr] if orders is not None else None
@@ -409,6 +405,18 @@ def _new_buffer(node: Node) -> list[Tensor | None]:
     return [None] if type(node) is AccumulateGrad else [None] * len(node._input_metadata)
 
 
+def _new_held_buffer(graph_task: GraphTask, next_node: Node) -> list[Tensor | None]:
+    """(under the graph task's lock) The buffer of ``next_node``, which several edges feed,
+    made when its first gradient comes, with the fixed order of its inputs' sums."""
+    buffer = graph_task.not_ready[next_node] = _new_buffer(next_node)
+    producers = graph_task.fan_in.get(next_node)
+    if producers is not None:
+        orders = slot_orders(next_node, producers)
+        if orders is not None:
+            graph_task.slot_orders[next_node] = orders
+    return buffer
+
+
 def hold(
     graph_task: GraphTask,
     next_node: Node,
@@ -420,15 +428,9 @@ def hold(
     """(under the graph task's lock, CPU) Put ``grad`` in the buffer of ``next_node``, which
     other edges still feed: ``_make_ready``'s bookkeeping of a gradient that does not make
     its consumer ready, for the inline passes (``_make_ready`` has it inlined)."""
-    not_ready = graph_task.not_ready
-    buffer = not_ready.get(next_node)
+    buffer = graph_task.not_ready.get(next_node)
     if buffer is None:
-        buffer = not_ready[next_node] = _new_buffer(next_node)
-        producers = graph_task.fan_in.get(next_node)
-        if producers is not None:
-            orders = slot_orders(next_node, producers)
-            if orders is not None:
-                graph_task.slot_orders[next_node] = orders
+        buffer = _new_held_buffer(graph_task, next_node)
     _add(graph_task, buffer, next_node, input_nr, node, output_nr, grad, None)
 
 
@@ -443,7 +445,8 @@ def complete_buffer(
 ) -> list[Tensor | None]:
     """(under the graph task's lock, CPU) The buffer of ``next_node`` with ``grad``, its last
     gradient, added: ``_make_ready``'s case of a buffer held before (a node fed by several
-    edges) or of a consumer with a stream, for the inline passes."""
+    edges) or of a consumer with a stream, for the inline passes (``_make_ready`` has it
+    inlined)."""
     if buffer is None:
         buffer = _new_buffer(next_node)
         accumulate(buffer, input_nr, grad, None, next_node._stream)
