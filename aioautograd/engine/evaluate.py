@@ -25,7 +25,7 @@ from aioautograd.devices.device import Device
 from aioautograd.engine.graph_task import GraphTask, current_graph_task, enter_graph_task
 from aioautograd.engine.input_buffer import accumulate, slot_orders
 from aioautograd.engine.ready_queue import TIE_BITS, NodeTask
-from aioautograd.engine.validate import validate_outputs, validated
+from aioautograd.engine.validate import _conform, validate_outputs, validated
 from aioautograd.tensor import Tensor
 
 if TYPE_CHECKING:
@@ -127,9 +127,11 @@ def evaluate_function(task: NodeTask, device: Device, reuse: bool = False) -> Re
             if not edges:  # a leaf's AccumulateGrad: this task ends, none starts
                 graph_task.task_finished()
                 return None
-            outputs = validated(edges, outputs, node)
-            # (a plain node has no stream: its gradients are produced on none)
-            return _make_ready(graph_task, node, outputs, task if reuse else None, None)
+            if len(outputs) != len(edges):
+                validated(edges, outputs, node)  # (raises: the count is wrong)
+            # (a plain node has no stream: its gradients are produced on none; _make_ready
+            # validates them, ``check``)
+            return _make_ready(graph_task, node, outputs, task if reuse else None, None, True)
         else:
             task.inputs = _NO_INPUTS  # the buffer is ours now; AccumulateGrad may steal from it
             called = _call_function(graph_task, node, inputs, device)
@@ -298,11 +300,14 @@ def _make_ready(
     outputs: Sequence[Tensor | None],
     reuse: NodeTask | None,
     producer: Stream | None,
+    check: bool = False,
 ) -> Ready:
     """Dependency bookkeeping: fill input buffers and return the successors made ready: one
     task as it is (a chain's case: no list per node), several in a list, none as ``None``
     (``reuse``: a finished task to refill for the first successor made ready, saving an
-    allocation per node of a chain; ``producer``: ``node``'s stream)."""
+    allocation per node of a chain; ``producer``: ``node``'s stream; ``check``: validate
+    each gradient here, as ``validated`` does, for a caller that has checked only their
+    count: one loop over the edges instead of two)."""
     exec_info = graph_task.exec_info
     made: NodeTask | None = None  # the first successor made ready
     more: list[NodeTask] | None = None  # all of them, once there are several
@@ -320,8 +325,21 @@ def _make_ready(
                 info = exec_info.get(next_node)
                 if info is None or not info.should_execute():
                     continue
-            count = dependencies[next_node]
             grad = outputs[i]
+            if check and grad is not None:
+                if type(next_node) is AccumulateGrad:
+                    variable = next_node.variable
+                    leaf = variable.data
+                    shape, dtype, device = leaf.shape, leaf.dtype, variable.device
+                else:
+                    shape, dtype, device = next_node._input_metadata[input_nr]
+                if type(grad) is not Tensor or not (
+                    grad.device is device
+                    and (data := grad.data).shape == shape
+                    and (data.dtype is dtype or data.dtype == dtype)
+                ):
+                    grad = _conform(i, grad, shape, dtype, device, node)
+            count = dependencies[next_node]
             if count == 1:
                 del dependencies[next_node]
                 buffer = not_ready.pop(next_node, None) if not_ready else None

@@ -42,7 +42,8 @@ from aioautograd.engine.graph_task import enter_graph_task
 from aioautograd.engine.input_buffer import buffer_device
 from aioautograd.engine.policy import NUMPY_ERRORS
 from aioautograd.engine.ready_queue import NodeTask
-from aioautograd.engine.validate import validated
+from aioautograd.engine.validate import _conform, validated
+from aioautograd.tensor import Tensor
 
 if TYPE_CHECKING:
     from aioautograd.autograd.node import Node
@@ -252,16 +253,19 @@ def _run_tasks(
     dependencies = graph_task.dependencies
     not_ready = graph_task.not_ready
     depth_key = graph_task.depth_key
+    if _current_graph_task_get() is not graph_task:
+        enter_graph_task(graph_task)
     task: NodeTask | None = first
     while task is not None:
         node = task.node
         made: NodeTask | None = None
         more: list[NodeTask] | None = None
-        if fast and node._plain and task.outputs is None and not graph_task.has_error:
+        # (Every task here has ``outputs`` None: an async node's continuation goes to the
+        # executors. The context is the graph task's: entered before the loop, and nodes
+        # that qualify are library code, which leaves it as it is.)
+        if fast and node._plain and not graph_task.has_error:
             inputs = task.inputs
             try:
-                if _current_graph_task_get() is not graph_task:
-                    enter_graph_task(graph_task)
                 task.inputs = _NO_INPUTS  # the buffer is ours: AccumulateGrad may steal it
                 node_lock = node._lock
                 node_lock.acquire()
@@ -272,8 +276,8 @@ def _run_tasks(
                 if not keep_graph:
                     node.release_variables()
                 edges = node._next_edges
-                if edges:
-                    outputs = validated(edges, outputs, node)
+                if edges and len(outputs) != len(edges):
+                    validated(edges, outputs, node)  # (raises: the count is wrong)
                 reuse: NodeTask | None = task
                 lock.acquire()
                 try:
@@ -282,8 +286,24 @@ def _run_tasks(
                         i += 1
                         if next_node is None:
                             continue
-                        count = dependencies[next_node]
                         grad = outputs[i]
+                        if grad is not None:
+                            # ``validated``'s check, in this loop: a gradient of the expected
+                            # shape, dtype and device passes; any other is conformed (or
+                            # raises) before it reaches a buffer.
+                            if type(next_node) is AccumulateGrad:
+                                variable = next_node.variable
+                                leaf = variable.data
+                                shape, dtype, device = leaf.shape, leaf.dtype, variable.device
+                            else:
+                                shape, dtype, device = next_node._input_metadata[input_nr]
+                            if type(grad) is not Tensor or not (
+                                grad.device is device
+                                and (data := grad.data).shape == shape
+                                and (data.dtype is dtype or data.dtype == dtype)
+                            ):
+                                grad = _conform(i, grad, shape, dtype, device, node)
+                        count = dependencies[next_node]
                         if count != 1:
                             dependencies[next_node] = count - 1
                             hold(graph_task, next_node, input_nr, node, i, grad)
@@ -330,7 +350,7 @@ def _run_tasks(
                 # No local may keep a gradient past here: its reference count decides
                 # whether the successor (AccumulateGrad, ReLU's backward) may steal it.
                 del outputs
-                grad = None
+                grad = data = leaf = None
                 if left == 0:
                     graph_task.all_tasks_done()
                     made = more = None
@@ -342,14 +362,26 @@ def _run_tasks(
             task = None
             if more is not None:
                 for successor in more:
-                    pushed = _push(graph_task, engine, heap, pushed, successor)
+                    # (_push, inlined: no local may hold a gradient)
+                    grads = successor.inputs
+                    device = grads[0].device if grads[0] is not None else buffer_device(grads)
+                    if device.type == "cpu":
+                        pushed += 1
+                        heapq.heappush(heap, (-successor.key, pushed, successor))
+                    else:
+                        graph_task.expect_completion_elsewhere()
+                        engine.push(successor, device)
             elif made is not None:
                 grads = made.inputs
                 device = grads[0].device if grads[0] is not None else buffer_device(grads)
-                if not heap and device.type == "cpu":
+                if device.type != "cpu":
+                    graph_task.expect_completion_elsewhere()
+                    engine.push(made, device)
+                elif not heap:
                     task = made  # a chain: the one successor runs next, without the heap
                 else:
-                    pushed = _push(graph_task, engine, heap, pushed, made)
+                    pushed += 1
+                    heapq.heappush(heap, (-made.key, pushed, made))
         else:
             if not node._plain and node.is_async:
                 graph_task.expect_completion_elsewhere()  # its continuation finishes the pass

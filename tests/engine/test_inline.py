@@ -311,3 +311,72 @@ async def test_inline_nodes_ignore_the_callers_numpy_errors_and_restore_them() -
         await x.sqrt().sum().backward()
         with pytest.raises(FloatingPointError):  # the caller's state is back in force
             np.divide(np.ones(1), np.zeros(1))
+
+
+class _Returns(ag.Function):
+    """x * y whose backward returns what the test puts in ``gradients`` (a node inline
+    execution takes when ``_inline_backward`` is set), and notes the thread it ran on."""
+
+    _inline_backward = True
+    gradients: tuple[Any, ...] = ()
+    threads: list[str] = []  # noqa: RUF012
+
+    @staticmethod
+    def forward(ctx: Any, x: ag.Tensor, y: ag.Tensor) -> ag.Tensor:
+        return x.detach() * y.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: ag.Tensor) -> tuple[Any, ...]:
+        _Returns.threads.append(threading.current_thread().name)
+        return _Returns.gradients
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "executors"])
+@pytest.mark.parametrize("through", [False, True], ids=["leaves", "through-a-node"])
+async def test_gradients_of_a_plain_node_are_validated_where_they_are_passed_on(
+    inline: bool, through: bool
+) -> None:
+    """The inline loop and the executors' plain path check a node's gradients while they
+    fill its successors' buffers (no separate pass): a broadcast gradient is summed to the
+    input's shape, another floating dtype is cast, None passes, and a bad gradient at any
+    index (a later one too) fails the backward before anything reaches ``.grad``."""
+    get_default_engine().inline_budget_s = 1.0 if inline else 0.0
+    loop_thread = threading.current_thread().name
+
+    def run(*gradients: Any) -> tuple[ag.Tensor, ag.Tensor, Any]:
+        _Returns.gradients = gradients
+        _Returns.threads = []
+        x = ag.ones(3, requires_grad=True)
+        y = ag.ones(3, requires_grad=True)
+        a, b = (x * 1.0, y * 1.0) if through else (x, y)
+        return x, y, _Returns.apply(a, b).sum().backward()
+
+    x, y, pending = run(ag.ones(4, 3), ag.tensor(np.full(3, 2.0, dtype=np.float64)))
+    await pending
+    assert _Returns.threads == [loop_thread] if inline else _is_executor(_Returns.threads[0])
+    assert_close(x.grad, np.full(3, 4.0))  # (4, 3) summed to (3,)
+    assert x.grad.dtype == np.float32
+    assert y.grad.dtype == np.float32  # float64 cast to the input's float32
+    assert_close(y.grad, np.full(3, 2.0))
+
+    x, y, pending = run(None, ag.full((3,), 5.0))
+    await pending
+    assert x.grad is None
+    assert_close(y.grad, np.full(3, 5.0))
+
+    bad: list[tuple[Any, str, type[Exception]]] = [
+        (ag.ones(5), "invalid gradient at index 1 - got \\[5\\]", RuntimeError),
+        (np.ones(3, dtype=np.float32), "expected a Tensor or None, got ndarray", TypeError),
+        (ag.tensor(np.ones(3, dtype=np.int64)), "floating point gradient", RuntimeError),
+    ]
+    for gradient, message, error in bad:
+        x, y, pending = run(ag.ones(3), gradient)
+        with pytest.raises(error, match=message):
+            await pending
+        assert x.grad is None
+        assert y.grad is None
+    # and the engine goes on
+    x, y, pending = run(ag.ones(3), ag.ones(3))
+    await pending
+    assert_close(x.grad, np.ones(3))
+    assert_close(y.grad, np.ones(3))
