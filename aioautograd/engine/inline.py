@@ -25,6 +25,7 @@ import contextvars
 import heapq
 import math
 import time
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy
@@ -77,22 +78,22 @@ def _enter_numpy_errors() -> contextvars.Token[Any]:
     return token
 
 
-def qualifies(task: NodeTask, max_elements: int, max_flops: float) -> bool:
-    """Whether ``task`` may run inline: library code only, CPU, no user hooks, small."""
-    node = task.node
+def qualifies(node: Node, inputs: list[Tensor | None], max_elements: int, max_flops: float) -> bool:
+    """Whether ``node`` may run inline on the gradients ``inputs`` (its task's): library code
+    only, CPU, no user hooks, small."""
     if node._plain != INLINE:  # (one slot read for the common case: see Node._plain)
         if node._plain == PRICED:
-            return _priced_qualifies(task, node, max_elements, max_flops)
-        verdict = _hooked_verdict(task, node)
+            return _priced_qualifies(node, inputs, max_elements, max_flops)
+        verdict = _hooked_verdict(node, inputs)
         if verdict is not None:
             return verdict
         if type(node)._plain == PRICED:  # (a priced node whose only extra is retain_grad)
-            return _priced_qualifies(task, node, max_elements, max_flops)
+            return _priced_qualifies(node, inputs, max_elements, max_flops)
     elif type(node) is AccumulateGrad:
-        grad = task.inputs[0]  # (a leaf's node has one input)
+        grad = inputs[0]  # (a leaf's node has one input)
         return grad is None or (grad.device.type == "cpu" and grad.data.size <= max_elements)
     size = 0
-    for grad in task.inputs:
+    for grad in inputs:
         if grad is not None:
             if grad.device.type != "cpu":
                 return False
@@ -106,14 +107,16 @@ def qualifies(task: NodeTask, max_elements: int, max_flops: float) -> bool:
     return size <= max_elements
 
 
-def _priced_qualifies(task: NodeTask, node: Node, max_elements: int, max_flops: float) -> bool:
+def _priced_qualifies(
+    node: Node, inputs: list[Tensor | None], max_elements: int, max_flops: float
+) -> bool:
     """``qualifies`` for a node whose class prices itself (``Node._plain == PRICED``): its
     gradients' elements, each counted ``Node._element_cost`` times, and for a matrix
     product (``Node._product_axes``) the flops of its products (``_product_flops``) counted
     as float32 operations."""
     size = 0
     data = None
-    for grad in task.inputs:
+    for grad in inputs:
         if grad is not None:
             if grad.device.type != "cpu":
                 return False
@@ -175,7 +178,7 @@ _FLOP_COST: Final = {"f": 1.0, "d": 2.0, "F": 4.0, "D": 8.0}  # by ``dtype.char`
 _NO_BLAS_FLOP_COST: Final = 256.0
 
 
-def _hooked_verdict(task: NodeTask, node: Node) -> bool | None:
+def _hooked_verdict(node: Node, inputs: list[Tensor | None]) -> bool | None:
     """``qualifies`` for a node that is not plain library code (a hook, retain_grad, a
     stream, an async apply, or a user Function): the answer, or None when only its size
     decides (a built-in op's node whose only extra is retain_grad)."""
@@ -190,9 +193,7 @@ def _hooked_verdict(task: NodeTask, node: Node) -> bool | None:
         # An async node's apply runs on the loop anyway: started from here, it skips the
         # hand-over to an executor and back (two thread wake-ups); the graph task
         # completes elsewhere.
-        return node.is_async and all(
-            grad is None or grad.device.type == "cpu" for grad in task.inputs
-        )
+        return node.is_async and all(grad is None or grad.device.type == "cpu" for grad in inputs)
     return None
 
 
@@ -207,7 +208,7 @@ def run_inline(graph_task: GraphTask, first: NodeTask, budget_s: float) -> bool:
     policy = engine.policy
     max_elements = policy.inline_max_elements
     max_flops = policy.inline_max_flops
-    if not qualifies(first, max_elements, max_flops) or not graph_task.analyse(
+    if not qualifies(first.node, first.inputs, max_elements, max_flops) or not graph_task.analyse(
         policy.inline_max_nodes
     ):
         graph_task.expect_completion_elsewhere()
@@ -256,6 +257,22 @@ def _run_tasks(
     if _current_graph_task_get() is not graph_task:
         enter_graph_task(graph_task)
     task: NodeTask | None = first
+    if fast:
+        left_over = _run_schedule(graph_task, first, deadline, max_elements, max_flops)
+        if left_over is None:
+            return heap  # the pass is complete
+        for successor in left_over:
+            pushed = _push(graph_task, engine, heap, pushed, successor)
+        del left_over
+        if not heap:
+            return heap  # (what is left runs on other devices)
+        task = heapq.heappop(heap)[2]
+        if time.perf_counter() > deadline or not qualifies(
+            task.node, task.inputs, max_elements, max_flops
+        ):
+            pushed += 1
+            heapq.heappush(heap, (-task.key, pushed, task))
+            return heap
     while task is not None:
         node = task.node
         made: NodeTask | None = None
@@ -400,11 +417,161 @@ def _run_tasks(
             if not heap:
                 break
             task = heapq.heappop(heap)[2]
-        if time.perf_counter() > deadline or not qualifies(task, max_elements, max_flops):
+        if time.perf_counter() > deadline or not qualifies(
+            task.node, task.inputs, max_elements, max_flops
+        ):
             pushed += 1
             heapq.heappush(heap, (-task.key, pushed, task))
             break
     return heap
+
+
+def _run_schedule(
+    graph_task: GraphTask, first: NodeTask, deadline: float, max_elements: int, max_flops: float
+) -> list[NodeTask] | None:
+    """(loop) Run a plain graph task's nodes in the order the ready queue would, without
+    one: later-created nodes first, each leaf's ``AccumulateGrad`` as soon as its gradient
+    is complete; return None once the pass is complete, else the tasks ready to run (the
+    node where it stopped first), for ``_run_tasks``'s loop, which goes on from there.
+
+    Why this is the queue's order: the queue runs the ready node with the highest
+    ``sequence_nr`` (leaves have the highest), and a node's gradients come from nodes
+    created after it, so the unrun node with the highest ``sequence_nr`` is ready whenever
+    its turn comes. That is checked rather than assumed: a node not ready at its turn (a
+    ``sequence_nr`` out of creation order) stops the schedule. It also stops at a node
+    that is not plain, one that does not qualify, the budget, or an error. Every step of a
+    node is that of ``_run_tasks``'s loop (validation, dependency counts, buffers, fixed
+    summation orders), so the state it leaves is the one the queue would have; only the
+    ready tasks themselves (a ``NodeTask`` each, a heap, the count of outstanding tasks)
+    are not made per node.
+    """
+    dependencies = graph_task.dependencies
+    not_ready = graph_task.not_ready
+    keep_graph = graph_task.keep_graph
+    lock = graph_task.lock
+    # The nodes other than leaves, latest-created first (the walk found them all).
+    order = [node for node in dependencies if type(node) is not AccumulateGrad]
+    order.sort(key=_sequence_nr, reverse=True)
+    end = len(order)
+    position = 0
+    ready: dict[Node, list[Tensor | None]] = {}  # nodes ready whose turn is to come
+    leaves: list[tuple[Node, list[Tensor | None]]] = []  # leaves ready, in queue order
+    node = first.node
+    inputs = first.inputs
+    first.inputs = _NO_INPUTS  # the buffer is ours: AccumulateGrad may steal it
+    current = True  # ``node`` is ready with ``inputs`` (else stopped between nodes)
+    while True:
+        if not node._plain:
+            break  # (a hook, a stream: _run_tasks's loop takes it, through evaluate_function)
+        try:
+            node_lock = node._lock
+            node_lock.acquire()
+            try:
+                outputs = node.apply(inputs)
+            finally:
+                node_lock.release()
+            if not keep_graph:
+                node.release_variables()
+            edges = node._next_edges
+            if edges and len(outputs) != len(edges):
+                validated(edges, outputs, node)  # (raises: the count is wrong)
+            lock.acquire()
+            try:
+                i = -1
+                for next_node, input_nr in edges:
+                    i += 1
+                    if next_node is None:
+                        continue
+                    grad = outputs[i]
+                    if grad is not None:  # ``validated``'s check (see _run_tasks)
+                        if type(next_node) is AccumulateGrad:
+                            variable = next_node.variable
+                            leaf = variable.data
+                            shape, dtype, device = leaf.shape, leaf.dtype, variable.device
+                        else:
+                            shape, dtype, device = next_node._input_metadata[input_nr]
+                        if type(grad) is not Tensor or not (
+                            grad.device is device
+                            and (data := grad.data).shape == shape
+                            and (data.dtype is dtype or data.dtype == dtype)
+                        ):
+                            grad = _conform(i, grad, shape, dtype, device, node)
+                    count = dependencies[next_node]
+                    if count != 1:
+                        dependencies[next_node] = count - 1
+                        hold(graph_task, next_node, input_nr, node, i, grad)
+                        continue
+                    del dependencies[next_node]
+                    buffer = not_ready.pop(next_node, None) if not_ready else None
+                    if buffer is None and next_node._stream is None:
+                        if type(next_node) is AccumulateGrad:
+                            leaves.append((next_node, [grad]))
+                            continue
+                        inputs_of_next = len(next_node._input_metadata)
+                        if inputs_of_next == 1:
+                            buffer = [grad]
+                        else:
+                            buffer = [None] * inputs_of_next
+                            buffer[input_nr] = grad
+                    else:
+                        buffer = complete_buffer(
+                            graph_task, buffer, next_node, input_nr, node, i, grad
+                        )
+                        if type(next_node) is AccumulateGrad:
+                            leaves.append((next_node, buffer))
+                            continue
+                    ready[next_node] = buffer
+            finally:
+                lock.release()
+            # No local may keep a gradient past here: its reference count decides whether
+            # the successor (AccumulateGrad, ReLU's backward) may steal it.
+            del outputs
+            grad = data = leaf = None
+        except BaseException as exc:
+            graph_task.set_error(exc, node, CPU, inputs)
+            del inputs
+            tasks = _ready_tasks(graph_task, None, None, leaves, ready)
+            graph_task.outstanding_tasks = len(tasks) + 1
+            graph_task.task_finished()  # (the failed node's)
+            return tasks
+        if leaves:
+            node, inputs = leaves.pop(0)
+        elif position < end:
+            node = order[position]
+            position += 1
+            try:  # (no second local may hold the buffer: see owned_gradient)
+                inputs = ready.pop(node)
+            except KeyError:  # not ready at its turn: the queue's order differs from here
+                current = False
+                break
+        else:  # every node has run
+            graph_task.outstanding_tasks = 0
+            graph_task.all_tasks_done()
+            return None
+        if time.perf_counter() > deadline or not qualifies(node, inputs, max_elements, max_flops):
+            break
+    tasks = _ready_tasks(graph_task, node if current else None, inputs, leaves, ready)
+    graph_task.outstanding_tasks = len(tasks)
+    return tasks
+
+
+def _ready_tasks(
+    graph_task: GraphTask,
+    node: Node | None,
+    inputs: list[Tensor | None] | None,
+    leaves: list[tuple[Node, list[Tensor | None]]],
+    ready: dict[Node, list[Tensor | None]],
+) -> list[NodeTask]:
+    """The tasks ``_run_schedule`` leaves ready, in the order the queue would run them."""
+    tasks = [] if node is None else [NodeTask(graph_task, node, inputs)]  # type: ignore[arg-type]
+    for leaf, buffer in leaves:
+        tasks.append(NodeTask(graph_task, leaf, buffer))
+    for next_node, buffer in ready.items():
+        tasks.append(NodeTask(graph_task, next_node, buffer))
+    return tasks
+
+
+_sequence_nr = attrgetter("sequence_nr")
 
 
 def _push(

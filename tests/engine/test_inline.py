@@ -380,3 +380,102 @@ async def test_gradients_of_a_plain_node_are_validated_where_they_are_passed_on(
     await pending
     assert_close(x.grad, np.ones(3))
     assert_close(y.grad, np.ones(3))
+
+
+def _recording(name: str, order: list[str]) -> type[ag.Function]:
+    class Step(ag.Function):
+        _inline_backward = True  # a node inline execution takes
+
+        @staticmethod
+        def forward(ctx: Any, *xs: ag.Tensor) -> ag.Tensor:
+            out = xs[0].detach() * 1.0
+            for x in xs[1:]:
+                out = out + x.detach()
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, grad: ag.Tensor) -> Any:
+            order.append(name)
+            return (
+                grad * 1.0
+                if ctx.needs_input_grad == (True,)
+                else (grad * 1.0,) * len(ctx.needs_input_grad)
+            )
+
+    Step.__name__ = name
+    return Step
+
+
+def _branchy(order: list[str]) -> tuple[ag.Tensor, list[ag.Tensor], list[ag.Function]]:
+    """A graph of branches, joins and leaves fed by several nodes."""
+    x = ag.randn(3, dtype="float64", requires_grad=True)
+    w = ag.randn(3, dtype="float64", requires_grad=True)
+    fs = {name: _recording(name, order) for name in "abcdefg"}
+    a = fs["a"].apply(x)
+    b = fs["b"].apply(a, w)
+    c = fs["c"].apply(x)
+    d = fs["d"].apply(b, c)
+    e = fs["e"].apply(a)
+    f = fs["f"].apply(d, e, w)
+    g = fs["g"].apply(f, c)
+    return g.sum(), [x, w], [a.grad_fn, b.grad_fn, c.grad_fn, g.grad_fn]  # type: ignore[list-item]
+
+
+async def test_the_inline_schedule_runs_nodes_in_the_queues_order() -> None:
+    """A plain graph runs inline without a ready queue (``_run_schedule``): the nodes run in
+    the order the queue gives (the general loop's, which a node that is not plain, here
+    through ``retain_grad`` on the loss, makes the pass take from its first node), with
+    the same gradients, bitwise."""
+    get_default_engine().inline_budget_s = 1.0
+    orders: list[list[str]] = []
+    grads: list[list[np.ndarray]] = []
+    for retain in (False, True):
+        order: list[str] = []
+        ag.manual_seed(3)
+        loss, leaves, _ = _branchy(order)
+        if retain:
+            loss.retain_grad()  # the root is not plain: the general loop runs the pass
+        await loss.backward()
+        orders.append(order)
+        grads.append([leaf.grad.data for leaf in leaves])  # type: ignore[union-attr]
+    assert orders[0] == orders[1] == ["g", "f", "e", "d", "c", "b", "a"]
+    for ours, queue in zip(grads[0], grads[1], strict=True):
+        np.testing.assert_array_equal(ours, queue)
+
+
+async def test_the_inline_schedule_stops_where_creation_order_is_not_the_queues() -> None:
+    """A node whose ``sequence_nr`` is out of creation order is not ready at its turn: the
+    schedule hands its ready nodes to the general loop, which runs the rest in the
+    queue's order (the order of a pass the general loop runs whole), with the same
+    gradients."""
+    get_default_engine().inline_budget_s = 1.0
+    results = []
+    for retain in (False, True):
+        order: list[str] = []
+        ag.manual_seed(4)
+        loss, leaves, nodes = _branchy(order)
+        # b's node now ranks above f's, e's and d's, which feed it: the queue runs them
+        # first all the same (b is not ready before them), then b before c.
+        nodes[1].sequence_nr = nodes[3].sequence_nr - 1  # type: ignore[attr-defined]
+        if retain:
+            loss.retain_grad()
+        await loss.backward()
+        results.append((order, [leaf.grad.data for leaf in leaves]))  # type: ignore[union-attr]
+    assert results[0][0] == results[1][0] == ["g", "f", "e", "d", "b", "c", "a"]
+    for ours, queue in zip(results[0][1], results[1][1], strict=True):
+        np.testing.assert_array_equal(ours, queue)
+
+
+async def test_a_leaf_fed_by_several_nodes_sums_the_same_inline_and_on_the_executors() -> None:
+    """A leaf fed by four nodes (a fixed summation order, ``SlotOrder``): the inline
+    schedule's sum is bitwise the executors'."""
+    results = []
+    for budget in (1.0, 0.0):
+        get_default_engine().inline_budget_s = budget
+        rng = np.random.default_rng(5)
+        x = ag.tensor(rng.standard_normal(64, dtype=np.float32), requires_grad=True)
+        ws = [ag.tensor(rng.standard_normal(64, dtype=np.float32) * 1e3) for _ in range(4)]
+        loss = sum(((x * w).sin() for w in ws), start=ag.zeros(64)).sum()
+        await loss.backward()
+        results.append(x.grad.data.copy())  # type: ignore[union-attr]
+    np.testing.assert_array_equal(results[0], results[1])

@@ -35,6 +35,10 @@ def generous_budget() -> Iterator[None]:
     engine.inline_budget_s = saved
 
 
+def _verdict(task: NodeTask, max_elements: Any, max_flops: float) -> bool:
+    return qualifies(task.node, task.inputs, max_elements, max_flops)
+
+
 def _task(out: ag.Tensor) -> NodeTask:
     """The task that would run ``out``'s node with a gradient of ones."""
     graph_task: Any = SimpleNamespace(depth_key=0)  # (NodeTask reads only its depth key)
@@ -98,8 +102,8 @@ def test_a_products_predicted_flops_are_the_flops_it_runs(
     flops = _measured_flops(out.grad_fn, task.inputs[0], monkeypatch)  # type: ignore[arg-type]
     assert flops > 0
     cost = flops * (1 if out.data.dtype == np.float32 else 2)  # in float32 operations
-    assert qualifies(task, UNBOUNDED, cost)
-    assert not qualifies(task, UNBOUNDED, cost - 1)
+    assert _verdict(task, UNBOUNDED, cost)
+    assert not _verdict(task, UNBOUNDED, cost - 1)
 
 
 def test_a_products_elements_count_too() -> None:
@@ -108,8 +112,8 @@ def test_a_products_elements_count_too() -> None:
     b = ag.randn(1, 512, requires_grad=True)
     task = _task(a @ b)
     elements = 512 * 512 + 512 + 512
-    assert qualifies(task, elements, UNBOUNDED)
-    assert not qualifies(task, elements - 1, UNBOUNDED)
+    assert _verdict(task, elements, UNBOUNDED)
+    assert not _verdict(task, elements - 1, UNBOUNDED)
 
 
 def test_dtypes_without_a_blas_kernel_cost_more_per_flop() -> None:
@@ -121,8 +125,8 @@ def test_dtypes_without_a_blas_kernel_cost_more_per_flop() -> None:
         costs[dtype] = next(
             weight
             for weight in (1, 2, 256)
-            if qualifies(task, UNBOUNDED, flops * weight)
-            and not qualifies(task, UNBOUNDED, flops * weight - 1)
+            if _verdict(task, UNBOUNDED, flops * weight)
+            and not _verdict(task, UNBOUNDED, flops * weight - 1)
         )
     assert costs == {"float32": 1, "float64": 2, "float16": 256}
 
@@ -131,8 +135,8 @@ def test_element_wise_nodes_are_priced_by_elements_only() -> None:
     x = ag.randn(600, 64, requires_grad=True)
     task = _task(x.relu())
     assert task.node._plain != PRICED
-    assert qualifies(task, 2 * 600 * 64, 0)  # no product: the flop limit does not apply
-    assert not qualifies(task, 2 * 600 * 64 - 1, UNBOUNDED)
+    assert _verdict(task, 2 * 600 * 64, 0)  # no product: the flop limit does not apply
+    assert not _verdict(task, 2 * 600 * 64 - 1, UNBOUNDED)
 
 
 DEAR: dict[str, tuple[Callable[[ag.Tensor], ag.Tensor], int]] = {
@@ -165,8 +169,8 @@ def test_dear_element_wise_nodes_count_each_element_several_times(case: str) -> 
     # What it reads and writes: its gradient, and one of x's shape per operand.
     elements = out.data.size + x.data.size * len(task.node.next_functions)
     assert (task.node._plain == PRICED) == (weight != 1)
-    assert qualifies(task, elements * weight, 0)
-    assert not qualifies(task, elements * weight - 1, 0)
+    assert _verdict(task, elements * weight, 0)
+    assert not _verdict(task, elements * weight - 1, 0)
 
 
 async def test_a_gelu_backward_that_a_relu_of_its_size_would_run_inline_goes_out() -> None:
@@ -190,11 +194,11 @@ def test_a_retained_products_output_is_still_priced_by_flops() -> None:
     assert out.grad_fn._plain == 0
     task = _task(out)
     flops = 2 * 2 * 64 * 64 * 64
-    assert qualifies(task, UNBOUNDED, flops)
-    assert not qualifies(task, UNBOUNDED, flops - 1)
+    assert _verdict(task, UNBOUNDED, flops)
+    assert not _verdict(task, UNBOUNDED, flops - 1)
     hooked = a @ b
     hooked.grad_fn.register_hook(lambda grads_in, grads_out: None)
-    assert not qualifies(_task(hooked), UNBOUNDED, UNBOUNDED)  # user code: executors
+    assert not _verdict(_task(hooked), UNBOUNDED, UNBOUNDED)  # user code: executors
 
 
 def test_the_default_policy_takes_a_600x64_layer_and_not_the_mlp_layers() -> None:
@@ -205,7 +209,7 @@ def test_the_default_policy_takes_a_600x64_layer_and_not_the_mlp_layers() -> Non
         w = ag.randn(outputs, inputs, dtype=dtype, requires_grad=True)
         b = ag.randn(outputs, dtype=dtype, requires_grad=True)
         task = _task(F.linear(x, w, b))
-        return qualifies(task, policy.inline_max_elements, policy.inline_max_flops)
+        return _verdict(task, policy.inline_max_elements, policy.inline_max_flops)
 
     assert verdict(600, 64, 64)  # the model-parallel step's hidden layer: 9.8 MFLOP
     assert not verdict(600, 64, 64, "float64")  # the same in float64 costs twice as much
