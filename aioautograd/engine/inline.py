@@ -443,12 +443,13 @@ def _run_schedule(
     node is that of ``_run_tasks``'s loop (validation, dependency counts, buffers, fixed
     summation orders), so the state it leaves is the one the queue would have; only the
     ready tasks themselves (a ``NodeTask`` each, a heap, the count of outstanding tasks)
-    are not made per node.
+    are not made per node, and the graph task's lock is not taken: nothing has been handed
+    off (no executor, no async node has a task of this pass), so no other thread reads or
+    writes its tables until the schedule returns.
     """
     dependencies = graph_task.dependencies
     not_ready = graph_task.not_ready
     keep_graph = graph_task.keep_graph
-    lock = graph_task.lock
     # The nodes other than leaves, latest-created first (the walk found them all).
     order = [node for node in dependencies if type(node) is not AccumulateGrad]
     order.sort(key=_sequence_nr, reverse=True)
@@ -475,58 +476,53 @@ def _run_schedule(
             edges = node._next_edges
             if edges and len(outputs) != len(edges):
                 validated(edges, outputs, node)  # (raises: the count is wrong)
-            lock.acquire()
-            try:
-                i = -1
-                for next_node, input_nr in edges:
-                    i += 1
-                    if next_node is None:
-                        continue
-                    grad = outputs[i]
-                    if grad is not None:  # ``validated``'s check (see _run_tasks)
-                        if type(next_node) is AccumulateGrad:
-                            variable = next_node.variable
-                            leaf = variable.data
-                            shape, dtype, device = leaf.shape, leaf.dtype, variable.device
-                        else:
-                            shape, dtype, device = next_node._input_metadata[input_nr]
-                        if type(grad) is not Tensor or not (
-                            grad.device is device
-                            and (data := grad.data).shape == shape
-                            and (data.dtype is dtype or data.dtype == dtype)
-                        ):
-                            grad = _conform(i, grad, shape, dtype, device, node)
-                    count = dependencies[next_node]
-                    if count != 1:
-                        dependencies[next_node] = count - 1
-                        hold(graph_task, next_node, input_nr, node, i, grad)
-                        continue
-                    del dependencies[next_node]
-                    buffer = not_ready.pop(next_node, None) if not_ready else None
-                    if buffer is None and next_node._stream is None:
-                        if type(next_node) is AccumulateGrad:
-                            leaves.append((next_node, [grad]))
-                            continue
-                        inputs_of_next = len(next_node._input_metadata)
-                        if inputs_of_next == 1:
-                            buffer = [grad]
-                        else:
-                            buffer = [None] * inputs_of_next
-                            buffer[input_nr] = grad
+            # (No lock: nothing else runs this graph task's nodes while the schedule does.)
+            i = -1
+            for next_node, input_nr in edges:
+                i += 1
+                if next_node is None:
+                    continue
+                grad = outputs[i]
+                if grad is not None:  # ``validated``'s check (see _run_tasks)
+                    if type(next_node) is AccumulateGrad:
+                        variable = next_node.variable
+                        leaf = variable.data
+                        shape, dtype, device = leaf.shape, leaf.dtype, variable.device
                     else:
-                        buffer = complete_buffer(
-                            graph_task, buffer, next_node, input_nr, node, i, grad
-                        )
-                        if type(next_node) is AccumulateGrad:
-                            leaves.append((next_node, buffer))
-                            continue
-                    ready[next_node] = buffer
-            finally:
-                lock.release()
+                        shape, dtype, device = next_node._input_metadata[input_nr]
+                    if type(grad) is not Tensor or not (
+                        grad.device is device
+                        and (data := grad.data).shape == shape
+                        and (data.dtype is dtype or data.dtype == dtype)
+                    ):
+                        grad = _conform(i, grad, shape, dtype, device, node)
+                count = dependencies[next_node]
+                if count != 1:
+                    dependencies[next_node] = count - 1
+                    hold(graph_task, next_node, input_nr, node, i, grad)
+                    continue
+                del dependencies[next_node]
+                buffer = not_ready.pop(next_node, None) if not_ready else None
+                if buffer is None and next_node._stream is None:
+                    if type(next_node) is AccumulateGrad:
+                        leaves.append((next_node, [grad]))
+                        continue
+                    inputs_of_next = len(next_node._input_metadata)
+                    if inputs_of_next == 1:
+                        buffer = [grad]
+                    else:
+                        buffer = [None] * inputs_of_next
+                        buffer[input_nr] = grad
+                else:
+                    buffer = complete_buffer(graph_task, buffer, next_node, input_nr, node, i, grad)
+                    if type(next_node) is AccumulateGrad:
+                        leaves.append((next_node, buffer))
+                        continue
+                ready[next_node] = buffer
             # No local may keep a gradient past here: its reference count decides whether
             # the successor (AccumulateGrad, ReLU's backward) may steal it.
             del outputs
-            grad = data = leaf = None
+            grad = data = None
         except BaseException as exc:
             graph_task.set_error(exc, node, CPU, inputs)
             del inputs
@@ -536,6 +532,12 @@ def _run_schedule(
             return tasks
         if leaves:
             node, inputs = leaves.pop(0)
+            if node._plain == INLINE:
+                # A plain leaf's node qualifies: it is on the CPU (no stream), and the
+                # price of the node that made it ready counted the leaf's elements.
+                if time.perf_counter() > deadline:
+                    break
+                continue
         elif position < end:
             node = order[position]
             position += 1
