@@ -27,7 +27,6 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -84,14 +83,12 @@ def largest_inline(name: str, dtype: str) -> int:
     """The most rows whose node the default engine's policy lets run inline (bisection)."""
     from aioautograd.engine import EnginePolicy
     from aioautograd.engine.inline import qualifies
-    from aioautograd.engine.ready_queue import NodeTask
 
     policy = EnginePolicy()
 
     def fits(rows: int) -> bool:
         node, grad = _node_of(name, rows, dtype)
-        task = NodeTask(SimpleNamespace(depth_key=0), node, [grad])  # type: ignore[arg-type]
-        return qualifies(task, policy.inline_max_elements, policy.inline_max_flops)
+        return qualifies(node, [grad], policy.inline_max_elements, policy.inline_max_flops)
 
     low, high = 1, 1 << 14
     while low < high:
