@@ -16,7 +16,10 @@ a 600x64 layer's backward runs here while the ``mlp`` step's products stay on th
 executors. The first node that does not qualify, or the budget running out, hands every
 task left to the executors, and the coroutine then awaits as usual. The loop is therefore
 never blocked for longer than the budget plus one small node, and a large backward runs on
-the executors from its first node.
+the executors from its first node. In a plain graph task (no anomaly mode, profiler,
+``grad()``/``inputs=`` outputs or leaf hook) the plain nodes run in a schedule
+(``_run_schedule``): the ready queue's order, latest-created first, without the queue's
+per-node bookkeeping.
 """
 
 from __future__ import annotations
