@@ -12,12 +12,12 @@ workers keep theirs when another process competes for the cores (unlike a nice v
 ``SCHED_IDLE`` on the workers).
 
 The engine asks for it while a thread awaits an ``offload`` (``EnginePolicy.loop_slice_s``)
-and gives the default back when none is in flight. Not for a loop that computes itself (a
-forward pass in a coroutine): with a short slice it is preempted at once by every worker
-or helper woken on its CPU, and natural-code training at once took 10-20% longer
-(benchmarks/README.md, s30-t12). A thread that is not ``SCHED_OTHER`` or whose slice is
-not the default (the application's choice) is left as it is; elsewhere than Linux on x86-64
-or arm64 nothing changes.
+and gives its slice back when none is in flight . Not for a thread that computes (a
+forward pass in a coroutine, an engine worker): with a short slice it is preempted at once
+by every thread woken on its CPU, and natural-code training at once took 10-20% longer
+(benchmarks/README.md, s30-t12). A thread that is not ``SCHED_OTHER``, or whose slice is
+already that short, is left as it is; elsewhere than Linux on x86-64 or arm64 nothing
+changes.
 """
 
 from __future__ import annotations
@@ -62,8 +62,12 @@ def _load_syscall() -> Any:
 
 
 _syscall = _load_syscall()
-# Per thread: ``depth``, the offloaded calls it awaits with the short slice.
+# Per thread: ``depth``, the offloaded calls it awaits with the short slice, and ``before``,
+# the slice it had (ns).
 _state = threading.local()
+# The slices this module gave (ns): a thread started meanwhile inherits one (the kernel
+# copies the parent's), which an engine thread gives up (``drop_inherited_slice``).
+_shortened: set[int] = set()
 
 
 def get_slice_ns(tid: int = 0) -> int | None:
@@ -77,22 +81,6 @@ def get_slice_ns(tid: int = 0) -> int | None:
     if attr.sched_policy != _SCHED_OTHER:
         return None
     return int(attr.sched_runtime)
-
-
-def default_slice_ns() -> int | None:
-    """The slice a new thread gets (the kernel's base slice), read once on a scratch thread."""
-    global _default_ns
-    if _default_ns is _UNKNOWN:
-        seen: list[int | None] = []
-        probe = threading.Thread(target=lambda: seen.append(get_slice_ns()), daemon=True)
-        probe.start()
-        probe.join()
-        _default_ns = seen[0] if seen else None
-    return _default_ns if isinstance(_default_ns, int) else None
-
-
-_UNKNOWN = object()
-_default_ns: object = _UNKNOWN
 
 
 def _set_slice_ns(nanoseconds: int) -> bool:
@@ -110,23 +98,26 @@ def _set_slice_ns(nanoseconds: int) -> bool:
 def enter_short_slice(seconds: float) -> bool:
     """While the calling thread awaits offloaded work, give it a slice of ``seconds``.
 
-    Nested calls on one thread count: the first sets the slice, if the thread is
-    ``SCHED_OTHER`` with the kernel's default one (anything else is the application's
-    choice, left alone), and the matching last :func:`leave_short_slice` restores the
-    default. Returns whether the caller must call :func:`leave_short_slice`.
+    Nested calls on one thread count: the first sets the slice, unless the thread is not
+    ``SCHED_OTHER`` or its slice is already at most ``seconds`` (then it is left alone), and
+    the matching last :func:`leave_short_slice` puts back the slice it had. Returns whether
+    the caller must call :func:`leave_short_slice`.
     """
     if seconds <= 0 or _syscall is None:
         return False
     depth = getattr(_state, "depth", 0)
     if depth == 0:
-        current = get_slice_ns()
-        if current is None or current != default_slice_ns():
+        wanted = round(seconds * 1e9)
+        before = get_slice_ns()
+        if before is None or before <= wanted:
             return False
         try:
-            if not _set_slice_ns(round(seconds * 1e9)):
+            if not _set_slice_ns(wanted):
                 return False
         except OSError:
             return False
+        _state.before = before
+        _shortened.add(wanted)
     _state.depth = depth + 1
     return True
 
@@ -137,4 +128,12 @@ def leave_short_slice() -> None:
     _state.depth = depth
     if depth == 0:
         with contextlib.suppress(OSError):
-            _set_slice_ns(0)  # 0: the kernel's default slice again
+            _set_slice_ns(_state.before)
+
+
+def drop_inherited_slice() -> None:
+    """On a new engine thread: if it inherited a short slice from a thread awaiting an
+    ``offload`` (its parent), take the kernel's default instead (a computing thread)."""
+    if _shortened and get_slice_ns() in _shortened:
+        with contextlib.suppress(OSError):
+            _set_slice_ns(0)

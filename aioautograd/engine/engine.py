@@ -286,10 +286,10 @@ class Engine:
             loss = await aioautograd.offload(step, x, y)
         """
         call = OffloadedCall(fn, args, kwargs, asyncio.get_running_loop())
-        self.executor(CPU).queue.push_call(call)
-        self.executor(CPU).ensure_started()
         short_slice = enter_short_slice(self.policy.loop_slice_s)
         try:
+            self.executor(CPU).queue.push_call(call)
+            self.executor(CPU).ensure_started()
             result: T = await call.future
             return result
         except asyncio.CancelledError:

@@ -6,6 +6,7 @@ import asyncio
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 
 import aioautograd as ag
 from aioautograd.devices import thread_slice
+from aioautograd.devices.device import CPU
 
 
 def _custom_slice_supported() -> bool:
@@ -93,7 +95,7 @@ def _train(loop_slice_s: float, offloads: int = 1) -> dict[str, Any]:
 
 @needs_slices
 def test_an_awaited_offload_gives_the_loop_s_thread_the_slice_until_it_completes() -> None:
-    default = thread_slice.default_slice_ns()
+    default = _on_fresh_thread(thread_slice.get_slice_ns)
     seen = _on_fresh_thread(lambda: _train(0.0002))
     assert seen["during"] == [200_000]
     assert seen["after offload"] == default != 200_000
@@ -105,24 +107,69 @@ def test_an_awaited_offload_gives_the_loop_s_thread_the_slice_until_it_completes
 def test_concurrent_offloads_restore_the_default_after_the_last() -> None:
     seen = _on_fresh_thread(lambda: _train(0.0003, offloads=2))
     assert seen["during"] == [300_000, 300_000]
-    assert seen["after offload"] == thread_slice.default_slice_ns()
+    assert seen["after offload"] == _on_fresh_thread(thread_slice.get_slice_ns) != 300_000
 
 
 @needs_slices
 def test_a_zero_slice_leaves_the_thread_alone() -> None:
     seen = _on_fresh_thread(lambda: _train(0.0))
-    assert seen["during"] == [thread_slice.default_slice_ns()]
+    assert seen["during"] == [_on_fresh_thread(thread_slice.get_slice_ns)] != [100_000]
 
 
 @needs_slices
-def test_a_slice_the_application_chose_is_kept() -> None:
+def test_a_shorter_slice_the_application_chose_is_kept() -> None:
+    def body() -> dict[str, Any]:
+        assert thread_slice._set_slice_ns(200_000)
+        return _train(0.0003)
+
+    seen = _on_fresh_thread(body)
+    assert seen["during"] == [200_000]
+    assert seen["after offload"] == 200_000
+
+
+@needs_slices
+def test_a_longer_slice_of_the_application_comes_back_after_the_offload() -> None:
     def body() -> dict[str, Any]:
         assert thread_slice._set_slice_ns(2_000_000)
         return _train(0.0001)
 
     seen = _on_fresh_thread(body)
-    assert seen["during"] == [2_000_000]
+    assert seen["during"] == [100_000]
     assert seen["after offload"] == 2_000_000
+
+
+@needs_slices
+def test_engine_threads_started_during_an_offload_drop_the_inherited_slice() -> None:
+    engine = ag.Engine(ag.EnginePolicy(loop_slice_s=0.0001))
+    other = ag.Engine(ag.EnginePolicy(cpu_threads=2))
+
+    async def main() -> tuple[int | None, list[int | None]]:
+        loop_tid = threading.get_native_id()
+        loop = asyncio.get_running_loop()
+        started = asyncio.Event()
+
+        def step() -> int | None:
+            loop.call_soon_threadsafe(started.set)
+            seen = thread_slice.get_slice_ns(loop_tid)
+            time.sleep(0.2)  # in flight while the loop's thread starts other's workers
+            return seen
+
+        during = asyncio.ensure_future(engine.offload(step))
+        await started.wait()
+        other.executor(CPU).ensure_started()  # threads created by the loop's thread
+        workers = [thread.native_id for thread in other.executor(CPU).threads()]
+        loop_during = await during
+        time.sleep(0.05)  # the workers have run their start-up
+        return loop_during, [thread_slice.get_slice_ns(tid or 0) for tid in workers]
+
+    try:
+        loop_during, workers = _on_fresh_thread(lambda: asyncio.run(main()))
+    finally:
+        engine.close()
+        other.close()
+    assert loop_during == 100_000
+    assert len(workers) == 2
+    assert all(seen not in (None, 100_000) for seen in workers)
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="needs SCHED_BATCH")
