@@ -109,14 +109,15 @@ class EnginePolicy:
         loop_slice_s: while a thread awaits an ``offload`` (an event loop's thread with
             the training step on a worker), it asks the kernel for a scheduler slice this
             short (Linux 6.12+, ``sched_attr.sched_runtime``; its weight, and so its share of
-            the CPU and the workers', is unchanged), and gets the default back when no call
-            is in flight. When it wakes while the workers keep every core busy it gets one
+            the CPU and the workers', is unchanged), and gets its own slice back when no
+            call is in flight. When it wakes while the workers keep every core busy it gets one
             at once instead of after a worker's slice or the next tick (``concurrent``,
             offload step: the 1 ms heartbeat's ticks later than 2 ms halved; benchmarks/
             README.md, s30-t12). Not taken for an awaited backward: a loop that computes
             its forward pass is preempted by every thread woken on its CPU then (natural
-            code 10-20% slower). 0 leaves the thread alone, as the kernel does a thread that
-            is not ``SCHED_OTHER`` or whose slice the application set.
+            code 10-20% slower). 0 leaves the thread alone, as the engine does a thread that
+            is not ``SCHED_OTHER`` or whose slice is already that short
+            (``devices/thread_slice.py``).
         worker_nice: CPU workers run this much below the process's priority (Linux). 0 by
             default: at +10 the workers lost most of their CPU to any other busy process
             (the aiohttp app under wrk load trained at 5 steps/s instead of 21), while the

@@ -159,8 +159,13 @@ def test_engine_threads_started_during_an_offload_drop_the_inherited_slice() -> 
         other.executor(CPU).ensure_started()  # threads created by the loop's thread
         workers = [thread.native_id for thread in other.executor(CPU).threads()]
         loop_during = await during
-        time.sleep(0.05)  # the workers have run their start-up
-        return loop_during, [thread_slice.get_slice_ns(tid or 0) for tid in workers]
+        deadline = time.monotonic() + 5  # until the workers have run their start-up
+        while time.monotonic() < deadline:
+            seen = [thread_slice.get_slice_ns(tid or 0) for tid in workers]
+            if all(ns not in (None, 100_000) for ns in seen):
+                break
+            await asyncio.sleep(0.01)
+        return loop_during, seen
 
     try:
         loop_during, workers = _on_fresh_thread(lambda: asyncio.run(main()))
