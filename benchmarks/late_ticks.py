@@ -5,14 +5,19 @@ Runs the harness's concurrent case (`concurrency._AioTraining`: 4 models 784-512
 
 - for each tick, the loop thread's wait on the kernel's run queue since the previous one
   (`/proc/thread-self/schedstat`, Linux): woken, but no core given to it;
-- every callback the loop ran (`Handle._run`), with its thread CPU time;
+- every callback the loop ran (`Handle._run`), with its thread CPU time and its run-queue
+  wait (the rest of its time was off CPU: the GIL, a split product's join), and the name of
+  each one longer than 1 ms (a task's coroutine, or the callback);
 - the cyclic GC's passes, on any thread;
 - the workers' BLAS calls inside the CPU budget (their GIL-free time) and their pause sleeps.
 
 For each tick later than `--threshold` ms it attributes the delay to the run queue, the
 loop's own callbacks or the GC when that part covers at least half of it ("other": the GIL,
 the wake-up itself), and counts the late ticks during which both workers were inside BLAS
-calls for at least half of the delay.
+calls for at least half of the delay. With ``--natural`` it also tells each run's gather
+start (the late tick with 3 or more long callbacks: the coroutines' first forward passes in
+one loop iteration) from the rest, prints the pooled p99 without them, and sorts the other
+late ticks by how many long callbacks they hold (one coroutine's turn, or more).
 
     PYTHONPATH=. python benchmarks/late_ticks.py --runs 5
     PYTHONPATH=. python benchmarks/late_ticks.py --runs 5 --natural --show 10
