@@ -5,14 +5,19 @@ Runs the harness's concurrent case (`concurrency._AioTraining`: 4 models 784-512
 
 - for each tick, the loop thread's wait on the kernel's run queue since the previous one
   (`/proc/thread-self/schedstat`, Linux): woken, but no core given to it;
-- every callback the loop ran (`Handle._run`), with its thread CPU time;
+- every callback the loop ran (`Handle._run`), with its thread CPU time and its run-queue
+  wait (the rest of its time was off CPU: the GIL, a split product's join), and the name of
+  each one longer than 1 ms (a task's coroutine, or the callback);
 - the cyclic GC's passes, on any thread;
 - the workers' BLAS calls inside the CPU budget (their GIL-free time) and their pause sleeps.
 
 For each tick later than `--threshold` ms it attributes the delay to the run queue, the
 loop's own callbacks or the GC when that part covers at least half of it ("other": the GIL,
 the wake-up itself), and counts the late ticks during which both workers were inside BLAS
-calls for at least half of the delay.
+calls for at least half of the delay. With ``--natural`` it also tells each run's gather
+start (the late tick with 3 or more long callbacks: the coroutines' first forward passes in
+one loop iteration) from the rest, prints the pooled p99 without them, and sorts the other
+late ticks by how many long callbacks they hold (one coroutine's turn, or more).
 
     PYTHONPATH=. python benchmarks/late_ticks.py --runs 5
     PYTHONPATH=. python benchmarks/late_ticks.py --runs 5 --natural --show 10
@@ -44,8 +49,10 @@ Span = tuple[float, float]
 clock = time.perf_counter
 blas: list[tuple[int, float, float]] = []  # (thread, start, end) of the budget's BLAS calls
 pauses: list[Span] = []  # the workers' pause sleeps
-callbacks: list[tuple[float, float, float]] = []  # (start, end, thread CPU) per loop callback
+# (start, end, thread CPU, run-queue wait) per loop callback
+callbacks: list[tuple[float, float, float, float]] = []
 collections: list[Span] = []
+long_names: dict[float, str] = {}  # a callback longer than 1 ms, by its start: what it ran
 heartbeats: list[Any] = []
 
 
@@ -53,6 +60,14 @@ def run_queue_wait() -> float:
     """Seconds the calling thread has waited on a run queue since it started (Linux)."""
     with open("/proc/thread-self/schedstat") as stat:
         return int(stat.read().split()[1]) / 1e9
+
+
+def _callback_name(handle: Any) -> str:
+    callback = handle._callback
+    owner = getattr(callback, "__self__", None)
+    if isinstance(owner, asyncio.Task):
+        return f"task {owner.get_coro().__qualname__}"  # type: ignore[union-attr]
+    return str(getattr(callback, "__qualname__", callback))
 
 
 def _install_probes() -> None:
@@ -84,9 +99,12 @@ def _install_probes() -> None:
     run = asyncio.events.Handle._run
 
     def timed_run(self: Any) -> None:
-        start, cpu = clock(), time.thread_time()
+        start, cpu, queued = clock(), time.thread_time(), run_queue_wait()
         run(self)
-        callbacks.append((start, clock(), time.thread_time() - cpu))
+        end = clock()
+        callbacks.append((start, end, time.thread_time() - cpu, run_queue_wait() - queued))
+        if end - start > 1e-3:
+            long_names[start] = _callback_name(self)
 
     asyncio.events.Handle._run = timed_run  # type: ignore[method-assign]
     started: list[float] = []
@@ -136,16 +154,18 @@ async def main(
     )
     loop_thread = threading.get_ident()
     delays: list[float] = []
+    gather_starts: list[float] = []  # natural code: each run's tick behind the first forwards
     late: list[dict[str, Any]] = []
     for run in range(runs + 1):  # (the first run warms up)
         case.prepare()
         case.begin_timed()
-        for records in (blas, pauses, callbacks, collections, heartbeats):
+        for records in (blas, pauses, callbacks, collections, heartbeats, long_names):
             records.clear()
         await case.run()
         if not run:
             continue
         beat = heartbeats[0]
+        first = len(late)
         for i in range(1, len(beat.wakes)):
             due, woke = beat.wakes[i - 1] + beat.period_s, beat.wakes[i]
             delay = max(0.0, woke - due)
@@ -159,14 +179,33 @@ async def main(
             row = {
                 "delay": delay,
                 "run queue": beat.waits[i] - beat.waits[i - 1],
-                "loop callbacks": _overlap([(s, e) for s, e, _ in callbacks], due, woke),
-                "loop CPU": sum(c for s, e, c in callbacks if e > due and s < woke),
+                "loop callbacks": _overlap([(s, e) for s, e, _, _ in callbacks], due, woke),
+                "loop CPU": sum(c for s, e, c, _ in callbacks if e > due and s < woke),
+                # inside those callbacks: waiting for a core, and off-CPU (the GIL, a join)
+                "cb queued": sum(q for s, e, _, q in callbacks if e > due and s < woke),
+                "cb blocked": sum(
+                    e - s - c - q for s, e, c, q in callbacks if e > due and s < woke
+                ),
+                "long cbs": sum(
+                    1 for s, e, _, _ in callbacks if e > due and s < woke and e - s > 1e-3
+                ),
+                "long": [
+                    f"{long_names.get(s, '?')} {1e3 * (e - s):.1f}"
+                    for s, e, _, _ in callbacks
+                    if e > due and s < woke and e - s > 1e-3
+                ],
                 "gc": _overlap(collections, due, woke),
                 "pauses": _overlap(pauses, due, woke),
                 "both in BLAS": len(in_blas) >= 2 and min(in_blas.values()) >= delay / 2,
             }
             row["cause"] = attribute(delay, row["run queue"], row["loop callbacks"], row["gc"])
             late.append(row)
+        # ``asyncio.gather`` runs the coroutines' first forward passes in one loop iteration:
+        # the run's late tick with the most long callbacks, if there are 3 or more.
+        starts = sorted(late[first:], key=lambda r: -r["long cbs"])
+        if not offload and starts and starts[0]["long cbs"] >= 3:
+            starts[0]["gather start"] = True
+            gather_starts.append(starts[0]["delay"])
     ms = np.asarray(delays) * 1e3
     print(
         f"{'offload' if offload else 'natural'}: {len(ms)} ticks, p50 {np.percentile(ms, 50):.2f}"
@@ -182,6 +221,8 @@ async def main(
     if late:
         waits = [r["run queue"] * 1e3 for r in late]
         print(f"run-queue wait of a late tick: median {statistics.median(waits):.2f} ms")
+    if not offload and late:
+        _natural_summary(ms, np.asarray(gather_starts) * 1e3, late, runs)
     for row in sorted(late, key=lambda r: -r["delay"])[:show]:
         print(
             "  "
@@ -189,6 +230,32 @@ async def main(
                 f"{k} {v * 1e3:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
             )
         )
+
+
+def _natural_summary(
+    ms: np.ndarray[Any, Any], gathers: np.ndarray[Any, Any], late: list[dict[str, Any]], runs: int
+) -> None:
+    """Natural code: which late ticks set the pooled p99, and what the loop did in them."""
+    rest = list(ms)
+    for delay in gathers:  # the pooled delays without each run's gather start
+        rest.remove(min(rest, key=lambda d: abs(d - delay)))
+    print(
+        f"ticks per run {len(ms) / runs:.1f}; gather starts {len(gathers)}: "
+        f"{', '.join(f'{d:.1f}' for d in sorted(gathers))} ms; "
+        f"p99 without them {np.percentile(rest, 99):.2f} ms"
+    )
+    for floor in (5.0, 10.0):
+        rows = [r for r in late if r["delay"] * 1e3 >= floor and not r.get("gather start")]
+        if not rows:
+            continue
+        kinds = {
+            "no long callback": sum(1 for r in rows if r["long cbs"] == 0),
+            "one turn": sum(1 for r in rows if r["long cbs"] == 1),
+            "two or more": sum(1 for r in rows if r["long cbs"] >= 2),
+        }
+        parts = ("delay", "loop CPU", "cb queued", "cb blocked", "run queue")
+        medians = ", ".join(f"{k} {statistics.median(r[k] for r in rows) * 1e3:.2f}" for k in parts)
+        print(f"  other ticks >= {floor:.0f} ms: {len(rows)} {kinds}; medians (ms): {medians}")
 
 
 if __name__ == "__main__":

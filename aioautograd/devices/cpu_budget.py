@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from aioautograd.devices.gil_waiters import register_engine_thread
+from aioautograd.devices.thread_slice import drop_inherited_slice
 
 
 def usable_cores() -> int:
@@ -941,6 +942,7 @@ class _Helper:
 
     def _main(self) -> None:
         register_engine_thread()  # its waits never ask a worker to pause
+        drop_inherited_slice()
         # Created by whichever thread first split a product (maybe a worker at a lower
         # priority): run at the process's priority, so its chunks do not straggle.
         if sys.platform.startswith("linux"):

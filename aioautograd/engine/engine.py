@@ -14,6 +14,7 @@ from aioautograd.autograd.node import Edge, GraphRoot, Node
 from aioautograd.devices.cpu_budget import configure as configure_cpu_budget
 from aioautograd.devices.cpu_budget import usable_cores
 from aioautograd.devices.device import CPU, Device
+from aioautograd.devices.thread_slice import enter_short_slice, leave_short_slice
 from aioautograd.engine.executor import Executor, OffloadedCall
 from aioautograd.engine.graph_task import GraphTask, LeafHook, current_graph_task
 from aioautograd.engine.input_buffer import buffer_device
@@ -285,14 +286,18 @@ class Engine:
             loss = await aioautograd.offload(step, x, y)
         """
         call = OffloadedCall(fn, args, kwargs, asyncio.get_running_loop())
-        self.executor(CPU).queue.push_call(call)
-        self.executor(CPU).ensure_started()
+        short_slice = enter_short_slice(self.policy.loop_slice_s)
         try:
+            self.executor(CPU).queue.push_call(call)
+            self.executor(CPU).ensure_started()
             result: T = await call.future
             return result
         except asyncio.CancelledError:
             call.cancelled = True
             raise
+        finally:
+            if short_slice:
+                leave_short_slice()
 
     @staticmethod
     def queue_callback(callback: Callable[[], Any]) -> None:

@@ -32,6 +32,7 @@ from aioautograd.devices.gil_waiters import (
     others_may_wait,
     register_engine_thread,
 )
+from aioautograd.devices.thread_slice import drop_inherited_slice
 from aioautograd.engine.policy import NUMPY_ERRORS, RESTED_S, SLEPT_FRACTION_OF_HOLD
 from aioautograd.engine.ready_queue import ReadyQueue
 from aioautograd.engine.watchdog import watch
@@ -151,6 +152,7 @@ class Executor:
 
     def _become_worker(self) -> None:
         register_engine_thread()
+        drop_inherited_slice()
         worker_state.executor = self
         worker_state.depth = 0
         if self.device.type == "cpu":

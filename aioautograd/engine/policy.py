@@ -106,6 +106,18 @@ class EnginePolicy:
             of 8.5-11.5 and its longest delay up to 33 ms, a coroutine's turn being a forward
             pass at one core's speed: benchmarks/README.md, session 27). For training loops
             with nothing else to serve on the event loop.
+        loop_slice_s: while a thread awaits an ``offload`` (an event loop's thread with
+            the training step on a worker), it asks the kernel for a scheduler slice this
+            short (Linux 6.12+, ``sched_attr.sched_runtime``; its weight, and so its share of
+            the CPU and the workers', is unchanged), and gets its own slice back when no
+            call is in flight. When it wakes while the workers keep every core busy it gets one
+            at once instead of after a worker's slice or the next tick (``concurrent``,
+            offload step: the 1 ms heartbeat's ticks later than 2 ms halved; benchmarks/
+            README.md, s30-t12). Not taken for an awaited backward: a loop that computes
+            its forward pass is preempted by every thread woken on its CPU then (natural
+            code 10-20% slower). 0 leaves the thread alone, as the engine does a thread that
+            is not ``SCHED_OTHER`` or whose slice is already that short
+            (``devices/thread_slice.py``).
         worker_nice: CPU workers run this much below the process's priority (Linux). 0 by
             default: at +10 the workers lost most of their CPU to any other busy process
             (the aiohttp app under wrk load trained at 5 steps/s instead of 21), while the
@@ -164,6 +176,7 @@ class EnginePolicy:
     loop_lends_cores: bool = True
     lent_slice_flops: float = 2.5e7
     loop_shares_cores: bool = False
+    loop_slice_s: float = 0.0001
     worker_nice: int = 0
     inline_budget_s: float = 0.0005
     inline_max_nodes: int = 256
@@ -173,3 +186,10 @@ class EnginePolicy:
     gil_pause_s: float = 0.00002
     gil_pause_always: bool = False
     blocked_node_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.loop_slice_s < float("inf"):
+            raise ValueError(
+                f"EnginePolicy.loop_slice_s must be a finite number of seconds >= 0 "
+                f"(0 leaves the loop's thread alone), got {self.loop_slice_s!r}"
+            )
