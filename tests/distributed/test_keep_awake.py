@@ -23,6 +23,7 @@ from aioautograd.distributed import autograd as dist_autograd
 from aioautograd.distributed import rpc
 from aioautograd.distributed.rpc import awake
 from aioautograd.distributed.rpc.backends.grpc_local import LocalCall
+from aioautograd.distributed.rpc.registry import name_of
 from tests.distributed import dist_fns, remote_fns
 from tests.distributed.conftest import in_fresh_context, start_world
 
@@ -192,5 +193,31 @@ async def _test_off(tmp_path: Path) -> None:
         assert driver.activity is None
         assert await rpc.rpc_async("worker1", remote_fns.core_waker) == {"pid": None}
         assert await world.close() == {"worker1": 0}
+    finally:
+        world.kill_all()
+
+
+async def test_uvloop_workers_keep_a_core_awake(tmp_path: Path) -> None:
+    pytest.importorskip("uvloop")
+    await in_fresh_context(lambda: _test_uvloop(tmp_path))
+
+
+async def _test_uvloop(tmp_path: Path) -> None:
+    # The helper does not depend on the event loop: uvloop workers start and stop theirs.
+    world = await start_world(
+        "grpc", tmp_path, n_workers=2, grpc_options={"keep_awake_s": 0.02}, uvloop=True
+    )
+    try:
+        states = [await rpc.rpc_async(w, remote_fns.core_waker) for w in ("worker1", "worker2")]
+        for state in states:
+            assert state["pid"] is not None, state
+            assert state["idle_policy"], state
+        relayed = await rpc.rpc_async(
+            "worker1", remote_fns.relay, args=("worker2", name_of(remote_fns.whoami))
+        )
+        assert relayed == "worker2"
+        assert await world.close() == {"worker1": 0, "worker2": 0}
+        for state in states:
+            assert _wait_for(lambda pid=state["pid"]: _gone(pid)), state
     finally:
         world.kill_all()
