@@ -6,16 +6,18 @@ the guest as steal time) and resumes on cold caches. Two workers that call each 
 one host halt and wake several times per round trip: on the 2-vCPU VM of
 ``benchmarks/README.md`` (issue #15, branch ``s30-m15``) the model-parallel step's slow
 runs (median ~10 ms instead of ~5.5) were the runs whose host stole most, and they
-disappeared when both vCPUs were kept from idling. ``torch.distributed.rpc``'s transport
-busy-polls its sockets for the same reason, at a cost of about two cores.
+disappeared when both vCPUs were kept from idling. (``torch.distributed.rpc``'s
+TensorPipe transport busy-polls on one host, which keeps its cores awake at a cost of about
+two cores.)
 
 :class:`CoreWaker` starts a small helper process at the lowest CPU priority
-(``SCHED_IDLE``: it runs only when the core has nothing else to run, so it takes no time
-from this worker, its peers or any other process) that spins while this worker has sent or
-received a frame within the last ``hold_s`` seconds and sleeps, blocked on a pipe, otherwise:
-an idle world costs no CPU. The worker marks its activity with :meth:`CoreWaker.stamp`
-(a store into shared memory; a pipe write only when the helper sleeps). The helper exits
-when the worker closes its end of the pipe, or dies.
+(``SCHED_IDLE``: it runs when a core has nothing else to run, and any other runnable
+process preempts it, so it takes next to no CPU time from this worker, its peers or anyone)
+that spins while this worker has sent or received a frame within the last ``hold_s``
+seconds and sleeps, blocked on a pipe, otherwise: an idle world costs no CPU. The worker
+marks its activity with :meth:`CoreWaker.stamp` (a store into shared memory; a pipe write
+only when the helper sleeps). The helper exits when the worker closes its end of the pipe,
+or dies.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ class CoreWaker:
             os.close(shared_fd)
             if read_fd >= 0:
                 os.close(read_fd)
-        try:  # set here, not by the helper: in effect before it runs at all
+        try:  # set by the worker at once, not by the helper's own (later) code
             os.sched_setscheduler(self.process.pid, os.SCHED_IDLE, os.sched_param(0))
         except OSError:
             with contextlib.suppress(OSError):

@@ -179,15 +179,15 @@ class GrpcOptions(RpcBackendOptions):
             See :mod:`aioautograd.distributed.rpc.backends.grpc_local`.
         keep_awake_s: Keep a core of this worker's host from idling for this many seconds
             after each frame this worker sends or receives on the same-host channel
-            (0, the default: off; default ``AIOAUTOGRAD_KEEP_AWAKE_S``). A helper process at
-            the lowest CPU priority (``SCHED_IDLE``: it runs only on a core that has nothing
-            else to run, so it takes no CPU time from any other process) spins meanwhile and
-            sleeps otherwise, so an idle world costs nothing; a busy one shows about a core
-            of extra CPU time per worker, as ``torch.distributed.rpc``'s busy-polling
-            transport does. For virtual machines, where a halted vCPU can take long to wake
-            (the host may have lent its core away): on a 2-vCPU VM it removed the slow runs
-            of the two-worker model-parallel step (``benchmarks/README.md``, issue #15,
-            branch ``s30-m15``). Linux only (elsewhere ignored, with a warning). See
+            (default: ``AIOAUTOGRAD_KEEP_AWAKE_S``, else 0: off). A helper process at the
+            lowest CPU priority (``SCHED_IDLE``: it runs on a core that has nothing else to
+            run, and any other process preempts it) spins meanwhile and sleeps otherwise, so
+            an idle world costs nothing; a busy one shows up to a core of extra CPU time per
+            worker, as ``torch.distributed.rpc``'s busy-polling transport does. For virtual
+            machines, where a halted vCPU can be slow to wake (the host may have lent its
+            core away): on a 2-vCPU VM it removed the slow runs of the two-worker
+            model-parallel step (10 ms; ``benchmarks/README.md``, issue #15, branch
+            ``s30-m15``). Linux only (elsewhere ignored, with a warning). See
             :mod:`aioautograd.distributed.rpc.awake`.
     """
 
