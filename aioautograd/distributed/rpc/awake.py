@@ -5,10 +5,10 @@ core to someone else; waking it for the next message then waits for the host (co
 the guest as steal time) and resumes on cold caches. Two workers that call each other on
 one host halt and wake several times per round trip: on the 2-vCPU VM of
 ``benchmarks/README.md`` (issue #15, branch ``s30-m15``) the model-parallel step's slow
-runs (median ~10 ms instead of ~5.5) were the runs whose host stole most, and they
-disappeared when both vCPUs were kept from idling. (``torch.distributed.rpc``'s
-TensorPipe transport busy-polls on one host, which keeps its cores awake at a cost of about
-two cores.)
+runs (median ~10 ms instead of ~6) were the runs whose host stole most, and they
+disappeared when both vCPUs were kept from idling while the machine was otherwise quiet.
+(``torch.distributed.rpc``'s TensorPipe transport busy-polls on one host, which keeps its
+cores awake at a cost of about two cores.)
 
 :class:`CoreWaker` starts a small helper process at the lowest CPU priority
 (``SCHED_IDLE``: it runs when a core has nothing else to run, and any other runnable

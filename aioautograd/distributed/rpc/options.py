@@ -185,9 +185,10 @@ class GrpcOptions(RpcBackendOptions):
             an idle world costs nothing; a busy one shows up to a core of extra CPU time per
             worker, as ``torch.distributed.rpc``'s busy-polling transport does. For virtual
             machines, where a halted vCPU can be slow to wake (the host may have lent its
-            core away): on a 2-vCPU VM it removed the slow runs of the two-worker
-            model-parallel step (10 ms; ``benchmarks/README.md``, issue #15, branch
-            ``s30-m15``). Linux only (elsewhere ignored, with a warning). See
+            core away): on a quiet 2-vCPU VM it removed the slow runs of the two-worker
+            model-parallel step (10 ms; none in 8 runs against 2 of 8), with no gain
+            once other processes kept the cores busy anyway (``benchmarks/README.md``,
+            issue #15, branch ``s30-m15``). Linux only (elsewhere ignored, with a warning). See
             :mod:`aioautograd.distributed.rpc.awake`.
     """
 
