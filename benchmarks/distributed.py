@@ -7,6 +7,9 @@ backward and a distributed optimizer step on both owners) on worlds of two worke
   ``python -m aioautograd.distributed.run`` (the figure's subject: two processes, as torch);
 - ``aioautograd-uvloop``: the same two processes, each running its event loop on uvloop
   (``uvloop.run``, as the README's examples do when uvloop is installed; a variant);
+- ``aioautograd-awake``: the same two processes with ``GrpcOptions.keep_awake_s`` (10 ms: a
+  helper process per worker at the idle CPU priority keeps a core from idling between
+  messages; its CPU time counts in the world's; a variant);
 - ``aioautograd-local``: the ``local`` backend, both workers in one process (a variant, in
   this workload's own table only);
 - ``torch``: ``torch.distributed.rpc`` (TensorPipe) + ``torch.distributed.autograd`` +
@@ -49,6 +52,7 @@ STEP_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 LOCAL = f"{SUBJECT}-local"
 UVLOOP = f"{SUBJECT}-uvloop"
+AWAKE = f"{SUBJECT}-awake"
 
 
 def torch_rpc_unavailable() -> str | None:
@@ -84,7 +88,7 @@ def _commands(backend: str, control_port: int) -> list[tuple[list[str], dict[str
     worker += ["--control", str(control_port)]
     if backend == "local":
         return [(worker, {})]
-    if backend in ("grpc", "grpc-uvloop"):
+    if backend in ("grpc", "grpc-uvloop", "grpc-awake"):
         launcher = [sys.executable, "-m", "aioautograd.distributed.run", "--nproc", "2"]
         return [(launcher + worker[1:], {})]
     master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
@@ -310,6 +314,7 @@ def model_parallel_summary(lines: dict[str, dict[str, Any]]) -> tuple[dict[str, 
     for label, top, bottom in (
         ("grpc_over_torch", SUBJECT, "torch"),
         ("grpc_uvloop_over_torch", UVLOOP, "torch"),
+        ("grpc_awake_over_torch", AWAKE, "torch"),
         ("local_over_torch", LOCAL, "torch"),
         ("grpc_over_torch_uv", SUBJECT, "torch-uv"),
         ("local_over_torch_uv", LOCAL, "torch-uv"),
@@ -380,6 +385,7 @@ register(
         impls=(
             Impl(SUBJECT, _case("grpc"), ("grpc",)),
             Impl(UVLOOP, _case("grpc-uvloop"), ("grpc",), main_table=False, unavailable=_no_uvloop),
+            Impl(AWAKE, _case("grpc-awake"), ("grpc",), main_table=False),
             Impl(LOCAL, _case("local"), main_table=False),
             Impl("torch", _case("torch"), ("torch",), unavailable=torch_rpc_unavailable),
             Impl(

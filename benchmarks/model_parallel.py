@@ -49,7 +49,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--impl",
         action="append",
         metavar="NAME",
-        help="aioautograd (grpc), aioautograd-uvloop, aioautograd-local, torch, torch-uv (repeatable, or "
+        help="aioautograd (grpc), aioautograd-uvloop, aioautograd-awake, aioautograd-local, torch, "
+        "torch-uv (repeatable, or "
         "comma-separated)",
     )
     args = parser.parse_args(argv)

@@ -234,10 +234,16 @@ def _torch_worker(backend: str, rank: int, control_port: int) -> None:
 # ------------------------------------------------------------------------------- main
 
 
+# The ``aioautograd-awake`` variant's GrpcOptions.keep_awake_s: a step is ~4-10 ms.
+KEEP_AWAKE_S = 0.01
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--backend", choices=("local", "grpc", "grpc-uvloop", "torch", "torch-uv"), required=True
+        "--backend",
+        choices=("local", "grpc", "grpc-uvloop", "grpc-awake", "torch", "torch-uv"),
+        required=True,
     )
     parser.add_argument("--control", type=int, required=True, help="the driver's port")
     args = parser.parse_args(argv)
@@ -247,6 +253,10 @@ def main(argv: list[str] | None = None) -> None:
     elif args.backend == "grpc":
         world_size = int(os.environ["WORLD_SIZE"])
         asyncio.run(_aio_worker("grpc", rank, world_size, args.control))
+    elif args.backend == "grpc-awake":  # GrpcOptions.keep_awake_s, read from the environment
+        os.environ["AIOAUTOGRAD_KEEP_AWAKE_S"] = str(KEEP_AWAKE_S)
+        world_size = int(os.environ["WORLD_SIZE"])
+        asyncio.run(_aio_worker("grpc", rank, world_size, args.control, args.backend))
     elif args.backend == "grpc-uvloop":
         import uvloop
 

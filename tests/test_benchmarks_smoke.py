@@ -17,7 +17,7 @@ import pytest
 from benchmarks import blas_exactness, harness, mlp_parts
 from benchmarks import model_parallel as model_parallel_script
 from benchmarks.concurrency import Heartbeat
-from benchmarks.distributed import LOCAL, torch_rpc_unavailable
+from benchmarks.distributed import AWAKE, LOCAL, torch_rpc_unavailable
 from benchmarks.harness import markdown_table, run_case
 from benchmarks.model_parallel_workers import torch_backend_options
 from benchmarks.workloads import REGISTRY, SUBJECT, Case, Impl, mlp_data
@@ -209,10 +209,11 @@ async def test_model_parallel_workload(
     # worker processes for three steps at the tiny size: same initial weights and data, so
     # the losses agree (aioautograd's exactly, torch's to float32 rounding). The torch-uv
     # variant differs from torch only by its TensorPipe options (checked below): a torch
-    # world takes ~6 s to start and stop, so it is left to the benchmark itself.
+    # world takes ~6 s to start and stop, so it is left to the benchmark itself. The awake
+    # variant (GrpcOptions.keep_awake_s) computes the same steps.
     pytest.importorskip("grpc")
     monkeypatch.setattr(harness, "MIN_WARMUP_S", 0.0)
-    impls = {SUBJECT, LOCAL, "torch"}
+    impls = {SUBJECT, AWAKE, LOCAL, "torch"}
     results, table = await harness.run_workload(REGISTRY["model_parallel"], "tiny", impls)
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     skipped = {line["impl"]: line["skipped"] for line in lines if "skipped" in line}
@@ -225,6 +226,7 @@ async def test_model_parallel_workload(
     (summary,) = [line["summary"] for line in lines if "summary" in line]
     gaps = summary["loss_difference"]
     assert gaps[SUBJECT] == {"max_abs": 0.0, "steps": 3, "against": LOCAL}
+    assert gaps[AWAKE] == {"max_abs": 0.0, "steps": 3, "against": LOCAL}
     if torch_reason is None:
         assert gaps["torch"]["steps"] == 3
         assert gaps["torch"]["max_abs"] <= 1e-5

@@ -180,3 +180,16 @@ async def arrival_time() -> float:
     """``time.monotonic()`` when this call started here (one clock for every process of a
     Linux host)."""
     return time.monotonic()
+
+
+@rpc.register
+async def core_waker() -> dict[str, Any]:
+    """This worker's ``keep_awake_s`` helper: its pid (``None``: no helper) and whether it
+    runs at the idle scheduling policy."""
+    import os
+
+    waker = rpc.get_current_agent()._core_waker  # type: ignore[attr-defined]
+    if waker is None:
+        return {"pid": None}
+    pid = waker.process.pid
+    return {"pid": pid, "idle_policy": os.sched_getscheduler(pid) == os.SCHED_IDLE}

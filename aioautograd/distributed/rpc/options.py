@@ -177,6 +177,19 @@ class GrpcOptions(RpcBackendOptions):
             platforms without Unix sockets, and when ``False`` (or the environment sets
             ``AIOAUTOGRAD_SAME_HOST_CHANNEL=0``): gRPC between every pair.
             See :mod:`aioautograd.distributed.rpc.backends.grpc_local`.
+        keep_awake_s: Keep a core of this worker's host from idling for this many seconds
+            after each frame this worker sends or receives on the same-host channel
+            (default: ``AIOAUTOGRAD_KEEP_AWAKE_S``, else 0: off). A helper process at the
+            lowest CPU priority (``SCHED_IDLE``: it runs on a core that has nothing else to
+            run, and any other process preempts it) spins meanwhile and sleeps otherwise, so
+            an idle world costs nothing; a busy one shows up to a core of extra CPU time per
+            worker, as ``torch.distributed.rpc``'s busy-polling transport does. For virtual
+            machines, where a halted vCPU can be slow to wake (the host may have lent its
+            core away): on a quiet 2-vCPU VM it removed the slow runs of the two-worker
+            model-parallel step (10 ms; none in 8 runs against 2 of 8), with no gain
+            once other processes kept the cores busy anyway (``benchmarks/README.md``,
+            issue #15, branch ``s30-m15``). Linux only (elsewhere ignored, with a warning). See
+            :mod:`aioautograd.distributed.rpc.awake`.
     """
 
     master_addr: str | None = None
@@ -195,6 +208,7 @@ class GrpcOptions(RpcBackendOptions):
     torchelastic_store: tuple[str, int] | None = None
     keep_freed_memory: bool = True
     same_host_channel: bool = True
+    keep_awake_s: float | None = None
 
     def resolved(self) -> GrpcOptions:
         """A copy with the environment's values filled in; raises if something is missing."""
@@ -262,9 +276,23 @@ class GrpcOptions(RpcBackendOptions):
         same_host_channel = self.same_host_channel
         if env.get("AIOAUTOGRAD_SAME_HOST_CHANNEL", "1") == "0":
             same_host_channel = False
+        keep_awake_s = self.keep_awake_s
+        if keep_awake_s is None:
+            text = env.get("AIOAUTOGRAD_KEEP_AWAKE_S") or "0"
+            try:
+                keep_awake_s = float(text)
+            except ValueError:
+                raise ValueError(
+                    f"AIOAUTOGRAD_KEEP_AWAKE_S must be a number of seconds, got {text!r}"
+                ) from None
+        if not (0.0 <= keep_awake_s < float("inf")):
+            raise ValueError(
+                f"GrpcOptions.keep_awake_s must be a finite number >= 0, got {keep_awake_s!r}"
+            )
         return dataclasses.replace(
             self,
             same_host_channel=same_host_channel,
+            keep_awake_s=keep_awake_s,
             master_addr=master_addr,
             master_port=master_port,
             host=host,

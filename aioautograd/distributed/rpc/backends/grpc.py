@@ -57,6 +57,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
 
@@ -70,7 +71,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         "pip install 'aioautograd[distributed]'"
     ) from exc
 
-from aioautograd.distributed.rpc import wire
+from aioautograd.distributed.rpc import awake, wire
 from aioautograd.distributed.rpc.agent import RpcAgent, _Outgoing, call_timeout_error
 from aioautograd.distributed.rpc.backends import grpc_local
 from aioautograd.distributed.rpc.backends.grpc_stream import FRAME, IncomingStream, OutgoingStream
@@ -294,6 +295,10 @@ class GrpcAgent(RpcAgent):
         self._local_server: grpc_local.LocalServer | None = None
         self._local_paths: dict[str, str] = {}
         self._hello = grpc_local.hello_frame(self._metadata)
+        # GrpcOptions.keep_awake_s: the helper that keeps a core awake, and its stamp, which
+        # the same-host channel calls for each frame sent and each read (None: off).
+        self._core_waker: awake.CoreWaker | None = None
+        self.activity: Callable[[], None] | None = None
 
     def _same_host_channel(self) -> bool:
         # Mutual TLS binds identities to certificates, which a Unix socket cannot carry.
@@ -360,6 +365,8 @@ class GrpcAgent(RpcAgent):
             except OSError as exc:  # gRPC carries this worker's calls
                 logger.warning("RPC worker %r has no same-host channel: %s", self.info.name, exc)
                 self._local_server = None
+        if self._local_server is not None and options.keep_awake_s:
+            self._start_core_waker(options.keep_awake_s)
         own_local = (self._host_id or "", local_path)
         store = options.torchelastic_store
         if self.info.id == 0:
@@ -405,6 +412,19 @@ class GrpcAgent(RpcAgent):
             return "0.0.0.0", options.master_addr
         return "0.0.0.0", _outward_address(options.master_addr)
 
+    def _start_core_waker(self, hold_s: float) -> None:
+        if not awake.supported():
+            logger.warning(
+                "RPC worker %r: GrpcOptions.keep_awake_s needs Linux; ignored", self.info.name
+            )
+            return
+        try:
+            self._core_waker = awake.CoreWaker(hold_s)
+        except OSError as exc:
+            logger.warning("RPC worker %r cannot keep a core awake: %s", self.info.name, exc)
+            return
+        self.activity = self._core_waker.stamp
+
     async def _stop(self) -> None:
         await asyncio.to_thread(self._heartbeat.stop)
         # Our streams first: the peers' servers end them, and ours waits for theirs.
@@ -413,6 +433,9 @@ class GrpcAgent(RpcAgent):
         await asyncio.gather(*(stream.close() for stream in streams))
         if self._local_server is not None:
             await self._local_server.stop()
+        if self._core_waker is not None:
+            self.activity = None
+            await asyncio.to_thread(self._core_waker.close)
         if self._server is not None:
             await self._server.stop(_STOP_GRACE_S)
         for channel in self._channels.values():

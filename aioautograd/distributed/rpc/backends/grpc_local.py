@@ -111,8 +111,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
     :attr:`limit` refuses the channel before its body is read.
     """
 
-    def __init__(self, limit: int, *, server: bool) -> None:
+    def __init__(
+        self, limit: int, *, server: bool, activity: Callable[[], None] | None = None
+    ) -> None:
         self.limit = limit
+        # GrpcAgent.activity: called for each frame written and each read (keep_awake_s).
+        self._activity = activity
         self._server = server
         self._buffer = bytearray(_CHUNK)
         self._view = memoryview(self._buffer)
@@ -143,6 +147,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         return self._view[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        activity = self._activity
+        if activity is not None:
+            activity()
         body = self._body
         if body is not None:
             self._got += nbytes
@@ -327,6 +334,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         # A sized frame (every frame of a stream) goes in one write; an unsized one is small
         # (the credentials): joined with its length.
         transport.write(frame if sized else LENGTH.pack(len(frame)) + frame)
+        activity = self._activity
+        if activity is not None:
+            activity()
         return True
 
     async def write(self, frame: bytes, sized: bool = False) -> None:
@@ -385,7 +395,9 @@ class LocalCall:
 
     def __init__(self, agent: GrpcAgent, peer: str, path: str, hello: bytes) -> None:
         self._peer = peer
-        self._protocol = FrameProtocol(agent.options.max_message_size, server=False)
+        self._protocol = FrameProtocol(
+            agent.options.max_message_size, server=False, activity=agent.activity
+        )
         self._cancelled = False
         self._ready = False  # connected, credentials sent
         self._connecting = agent.loop.create_task(
@@ -650,7 +662,7 @@ class LocalServer:
 
 class _ServerProtocol(FrameProtocol):
     def __init__(self, server: LocalServer) -> None:
-        super().__init__(HELLO_LIMIT, server=True)
+        super().__init__(HELLO_LIMIT, server=True, activity=server._agent.activity)
         self._owner = server
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
