@@ -88,6 +88,18 @@ def _conform(
     i: int, grad: Any, shape: Shape, dtype: Any, device: Device, producer: Node | str
 ) -> Tensor:
     """``grad`` summed to ``shape`` and cast to ``dtype``, or the error saying why not."""
+    if type(grad) is Tensor and grad.device is device:
+        # A plain backward's bias gradient first: leading dimensions to sum, dtype and
+        # device already right (what the general path below does, without its checks).
+        data = grad.data
+        lead = data.ndim - len(shape)
+        if (
+            lead > 0
+            and (data.dtype is dtype or data.dtype == dtype)
+            and data.shape[lead:] == shape
+            and not _grad_enabled_get()
+        ):
+            return wrap(device.backend.sum_to_size(data, shape), device)
     if not isinstance(grad, Tensor):
         raise TypeError(
             f"Function {_name(producer)} returned an invalid gradient at index {i} - expected "

@@ -205,6 +205,36 @@ async def test_broadcast_gradients_are_reduced() -> None:
     assert_close(b.grad, np.full(4, x.data.sum()))
 
 
+async def test_bias_gradients_are_summed_as_torch(torch: object) -> None:
+    # A bias's gradient has leading dimensions to sum (validation's first case), with its
+    # dtype right or to cast, and recorded under create_graph.
+    import torch as th
+
+    rng = np.random.default_rng(7)
+    xdata = rng.standard_normal((2, 5, 4))
+    b1data = rng.standard_normal(4)
+    b2data = rng.standard_normal((5, 4)).astype(np.float32)
+    x = ag.tensor(xdata, requires_grad=True)
+    b1 = ag.tensor(b1data, requires_grad=True)
+    b2 = ag.tensor(b2data, requires_grad=True)
+    loss = ((x + b1) * (x + b2)).sum()
+    await loss.backward()
+    tx = th.tensor(xdata, requires_grad=True)
+    tb1 = th.tensor(b1data, requires_grad=True)
+    tb2 = th.tensor(b2data, requires_grad=True)
+    ((tx + tb1) * (tx + tb2)).sum().backward()
+    for ours, theirs in ((x, tx), (b1, tb1), (b2, tb2)):
+        assert ours.grad is not None
+        assert theirs.grad is not None
+        assert ours.grad.shape == tuple(theirs.shape)
+        assert ours.grad.dtype == ours.dtype
+        assert_close(ours.grad, theirs.grad.numpy(), rtol=1e-6)
+    (g,) = await ag.grad(((x + b1) ** 2).sum(), b1, create_graph=True)
+    assert g.grad_fn is not None  # the reduction is recorded
+    (gg,) = await ag.grad(g.sum(), b1)
+    assert_close(gg, np.full(4, 2.0 * 10))
+
+
 async def test_dtype_of_gradient_follows_input() -> None:
     x32 = ag.randn(3, dtype="float32", requires_grad=True)
     x64 = ag.randn(3, dtype="float64", requires_grad=True)
