@@ -3,6 +3,7 @@ on the awaiting thread, the rest on the executors; a zero budget keeps every nod
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -462,6 +463,26 @@ async def test_the_inline_schedule_stops_where_creation_order_is_not_the_queues(
         await loss.backward()
         results.append((order, [leaf.grad.data for leaf in leaves]))  # type: ignore[union-attr]
     assert results[0][0] == results[1][0] == ["g", "f", "e", "d", "b", "c", "a"]
+    for ours, queue in zip(results[0][1], results[1][1], strict=True):
+        np.testing.assert_array_equal(ours, queue)
+
+
+async def test_the_inline_schedule_keeps_the_queues_order_for_a_node_ranked_as_a_leaf() -> None:
+    """A node (not a leaf's) with the leaves' ``sequence_nr``: the queue runs it as soon as
+    it is ready, as a leaf; the schedule, which takes the nodes that rank as leaves for
+    leaves, must not put it last."""
+    get_default_engine().inline_budget_s = 1.0
+    results = []
+    for retain in (False, True):
+        order: list[str] = []
+        ag.manual_seed(6)
+        loss, leaves, nodes = _branchy(order)
+        nodes[2].sequence_nr = sys.maxsize  # type: ignore[attr-defined]  # c's node
+        if retain:
+            loss.retain_grad()
+        await loss.backward()
+        results.append((order, [leaf.grad.data for leaf in leaves]))  # type: ignore[union-attr]
+    assert results[0][0] == results[1][0] == ["g", "f", "e", "d", "c", "b", "a"]
     for ours, queue in zip(results[0][1], results[1][1], strict=True):
         np.testing.assert_array_equal(ours, queue)
 
