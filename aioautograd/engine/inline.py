@@ -46,7 +46,7 @@ from aioautograd.engine.graph_task import enter_graph_task
 from aioautograd.engine.input_buffer import buffer_device
 from aioautograd.engine.policy import NUMPY_ERRORS
 from aioautograd.engine.ready_queue import NodeTask
-from aioautograd.engine.validate import _conform, validated
+from aioautograd.engine.validate import conformed, validated
 from aioautograd.tensor import Tensor
 
 if TYPE_CHECKING:
@@ -307,22 +307,8 @@ def _run_tasks(
                         if next_node is None:
                             continue
                         grad = outputs[i]
-                        if grad is not None:
-                            # ``validated``'s check, in this loop: a gradient of the expected
-                            # shape, dtype and device passes; any other is conformed (or
-                            # raises) before it reaches a buffer.
-                            if type(next_node) is AccumulateGrad:
-                                variable = next_node.variable
-                                leaf = variable.data
-                                shape, dtype, device = leaf.shape, leaf.dtype, variable.device
-                            else:
-                                shape, dtype, device = next_node._input_metadata[input_nr]
-                            if type(grad) is not Tensor or not (
-                                grad.device is device
-                                and (data := grad.data).shape == shape
-                                and (data.dtype is dtype or data.dtype == dtype)
-                            ):
-                                grad = _conform(i, grad, shape, dtype, device, node)
+                        if grad is not None:  # ``validated``'s check, in this loop
+                            grad = conformed(i, grad, next_node, input_nr, node)
                         count = dependencies[next_node]
                         if count != 1:
                             dependencies[next_node] = count - 1
@@ -370,7 +356,7 @@ def _run_tasks(
                 # No local may keep a gradient past here: its reference count decides
                 # whether the successor (AccumulateGrad, ReLU's backward) may steal it.
                 del outputs
-                grad = data = leaf = None
+                grad = None
                 if left == 0:
                     graph_task.all_tasks_done()
                     made = more = None
@@ -486,19 +472,8 @@ def _run_schedule(
                 if next_node is None:
                     continue
                 grad = outputs[i]
-                if grad is not None:  # ``validated``'s check (see _run_tasks)
-                    if type(next_node) is AccumulateGrad:
-                        variable = next_node.variable
-                        leaf = variable.data
-                        shape, dtype, device = leaf.shape, leaf.dtype, variable.device
-                    else:
-                        shape, dtype, device = next_node._input_metadata[input_nr]
-                    if type(grad) is not Tensor or not (
-                        grad.device is device
-                        and (data := grad.data).shape == shape
-                        and (data.dtype is dtype or data.dtype == dtype)
-                    ):
-                        grad = _conform(i, grad, shape, dtype, device, node)
+                if grad is not None:  # ``validated``'s check, in this loop
+                    grad = conformed(i, grad, next_node, input_nr, node)
                 count = dependencies[next_node]
                 if count != 1:
                     dependencies[next_node] = count - 1
@@ -525,7 +500,7 @@ def _run_schedule(
             # No local may keep a gradient past here: its reference count decides whether
             # the successor (AccumulateGrad, ReLU's backward) may steal it.
             del outputs
-            grad = data = None
+            grad = None
         except BaseException as exc:
             graph_task.set_error(exc, node, CPU, inputs)
             del inputs

@@ -62,26 +62,35 @@ def validated(
     for next_node, input_nr in edges:
         grad = grads[i]
         if next_node is not None and grad is not None:
-            # The common case, checked first: an array of the expected shape, dtype and
-            # device (dtypes of NumPy results are usually the same object).
-            if type(next_node) is AccumulateGrad:
-                # Its metadata, read live from the leaf without building the property's list
-                # (a fan's branches all feed one leaf).
-                variable = next_node.variable
-                leaf = variable.data
-                shape, dtype, device = leaf.shape, leaf.dtype, variable.device
-            else:
-                shape, dtype, device = next_node._input_metadata[input_nr]
-            if type(grad) is not Tensor or not (
-                grad.device is device
-                and (data := grad.data).shape == shape
-                and (data.dtype is dtype or data.dtype == dtype)
-            ):
+            checked = conformed(i, grad, next_node, input_nr, producer)
+            if checked is not grad:
                 if result is None:
                     result = list(grads)
-                result[i] = _conform(i, grad, shape, dtype, device, producer)
+                result[i] = checked
         i += 1  # noqa: SIM113
     return grads if result is None else result
+
+
+def conformed(i: int, grad: Any, next_node: Node, input_nr: int, producer: Node | str) -> Tensor:
+    """Gradient ``i`` of ``producer`` checked against input ``input_nr`` of ``next_node``:
+    ``grad`` itself when it has the expected shape, dtype and device (the engine's per-edge
+    case), else conformed by ``_conform`` (or the error saying why it cannot be)."""
+    if type(next_node) is AccumulateGrad:
+        # Its metadata, read live from the leaf without building the property's list (a
+        # fan's branches all feed one leaf).
+        variable = next_node.variable
+        leaf = variable.data
+        shape, dtype, device = leaf.shape, leaf.dtype, variable.device
+    else:
+        shape, dtype, device = next_node._input_metadata[input_nr]
+    # (dtypes of NumPy results are usually the same object)
+    if type(grad) is Tensor and (
+        grad.device is device
+        and (data := grad.data).shape == shape
+        and (data.dtype is dtype or data.dtype == dtype)
+    ):
+        return grad
+    return _conform(i, grad, shape, dtype, device, producer)
 
 
 def _conform(
