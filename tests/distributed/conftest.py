@@ -26,10 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
+import torch
+
+import aioautograd as ag
+from aioautograd.distributed import autograd as dist_autograd
 from aioautograd.distributed import rpc
 from aioautograd.distributed.rpc import wire
 from aioautograd.distributed.rpc.backends import local as local_backend
-from tests.distributed import remote_fns, semantic_fns
+from tests.distributed import dist_fns, remote_fns, semantic_fns
 
 REPO = Path(__file__).resolve().parents[2]
 BACKENDS = ["local", "grpc"]
@@ -248,6 +253,30 @@ async def start_world(
             exc.add_note(f"--- log of {name}:\n{world.log(name)}")
         raise
     return world
+
+
+async def check_pipeline_against_torch(seed: int) -> None:
+    """A distributed backward through ``worker1`` (a linear layer) and ``worker2`` (the
+    loss), from the driver's first layer: each worker's context gradients equal torch's."""
+    rng = np.random.default_rng(seed)
+    x, w0, w1, w2 = (rng.standard_normal(s) for s in ((5, 4), (4, 6), (6, 3), (3, 2)))
+    await rpc.rpc_async("worker1", dist_fns.create_param, args=("w1", w1))
+    await rpc.rpc_async("worker2", dist_fns.create_param, args=("w2", w2))
+    p0 = ag.tensor(w0.copy(), requires_grad=True)
+    async with dist_autograd.context() as context_id:
+        h = (ag.tensor(x) @ p0).tanh()
+        h = await rpc.rpc_async("worker1", dist_fns.linear, args=("w1", h))
+        loss = await rpc.rpc_async("worker2", dist_fns.square_loss, args=("w2", h))
+        await dist_autograd.backward(context_id, [loss])
+        got = [dist_autograd.get_gradients(context_id)[p0].numpy()]
+        for worker, key in (("worker1", "w1"), ("worker2", "w2")):
+            got.append(await rpc.rpc_async(worker, dist_fns.context_grad, args=(key, context_id)))
+    tw = [torch.tensor(w, requires_grad=True) for w in (w0, w1, w2)]
+    th = torch.tanh(torch.tanh(torch.tensor(x) @ tw[0]) @ tw[1])
+    ((th @ tw[2]) ** 2).mean().backward()
+    for g, t in zip(got, tw, strict=True):
+        assert t.grad is not None
+        np.testing.assert_allclose(g, t.grad.numpy(), rtol=1e-10, atol=1e-12)
 
 
 def stop_process(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:

@@ -15,10 +15,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 import aioautograd as ag
-from aioautograd.distributed import autograd as dist_autograd
 from aioautograd.distributed import rpc
 from aioautograd.distributed.rpc import wire
 from aioautograd.distributed.rpc.backends.grpc import worker_token
@@ -39,9 +37,10 @@ from aioautograd.distributed.rpc.backends.grpc_stream import (
     parse_status,
 )
 from aioautograd.distributed.rpc.registry import name_of
-from tests.distributed import dist_fns, hardening_fns, remote_fns
+from tests.distributed import hardening_fns, remote_fns
 from tests.distributed.conftest import (
     World,
+    check_pipeline_against_torch,
     in_fresh_context,
     make_certificates,
     start_world,
@@ -151,27 +150,7 @@ async def _test_carries(tmp_path: Path) -> None:
         await _relay_between_workers("same-host")
 
         # A distributed backward across both workers, against torch.
-        rng = np.random.default_rng(2)
-        x, w0, w1, w2 = (rng.standard_normal(s) for s in ((5, 4), (4, 6), (6, 3), (3, 2)))
-        await rpc.rpc_async("worker1", dist_fns.create_param, args=("w1", w1))
-        await rpc.rpc_async("worker2", dist_fns.create_param, args=("w2", w2))
-        p0 = ag.tensor(w0.copy(), requires_grad=True)
-        async with dist_autograd.context() as context_id:
-            h = (ag.tensor(x) @ p0).tanh()
-            h = await rpc.rpc_async("worker1", dist_fns.linear, args=("w1", h))
-            loss = await rpc.rpc_async("worker2", dist_fns.square_loss, args=("w2", h))
-            await dist_autograd.backward(context_id, [loss])
-            got = [dist_autograd.get_gradients(context_id)[p0].numpy()]
-            for worker, key in (("worker1", "w1"), ("worker2", "w2")):
-                got.append(
-                    await rpc.rpc_async(worker, dist_fns.context_grad, args=(key, context_id))
-                )
-        tw = [torch.tensor(w, requires_grad=True) for w in (w0, w1, w2)]
-        th = torch.tanh(torch.tanh(torch.tensor(x) @ tw[0]) @ tw[1])
-        ((th @ tw[2]) ** 2).mean().backward()
-        for g, t in zip(got, tw, strict=True):
-            assert t.grad is not None
-            np.testing.assert_allclose(g, t.grad.numpy(), rtol=1e-10, atol=1e-12)
+        await check_pipeline_against_torch(2)
         assert driver._budget.used_calls == 0
         own = driver._local_server._directory
         assert own is not None
