@@ -27,7 +27,9 @@ to listen on 127.0.0.1, posts a few untimed warm-up steps, then for ``--duration
 runs ``--clients`` training clients (each its own ``aiohttp.ClientSession``, posting
 ``/train`` back to back) and one health client (``GET /health`` every 10 ms, one request at
 a time, on a schedule that skips the ticks a slow answer overran; each latency is from
-sending the request to reading the whole answer). With ``--wrk``, each mode is measured a
+sending the request to reading the whole answer). Each window also reports the cores that
+other processes used meanwhile (``other_cores``: the machine's CPU less the server's, the
+driver's and wrk's), the neighbours' share of the machine. With ``--wrk``, each mode is measured a
 second time with ``wrk`` hammering ``/health`` meanwhile (same duration, 127.0.0.1 only),
 and wrk's own latency and throughput are reported too. Output: an ``env`` JSON line, one
 JSON line per mode (and load), then a markdown table.
@@ -316,6 +318,7 @@ class Window:
     losses: list[float] = field(default_factory=list)
     wrk: dict[str, Any] | None = None
     server_cpu_s: float | None = None
+    other_cores: float | None = None  # CPU of other processes (neighbours), in cores
 
 
 class Server:
@@ -486,6 +489,58 @@ async def _warm_up(server: Server) -> list[float]:
     return first
 
 
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """CPU seconds used so far, read at ``wall_s`` (``time.monotonic``): by the whole machine
+    (``/proc/stat``: every state but idle and iowait; None where unreadable), by this driver
+    (its threads and its reaped children, such as a finished wrk) and by the server."""
+
+    wall_s: float
+    machine_s: float | None
+    driver_s: float
+    server_s: float | None
+
+
+def machine_cpu_s() -> float | None:
+    """CPU seconds all processes have used since boot (Linux ``/proc/stat``), else None."""
+    try:
+        with open("/proc/stat") as stat:
+            ticks = [int(value) for value in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(ticks[:8]) - ticks[3] - ticks[4]  # user..steal, less idle and iowait
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot(server_s: float | None) -> CpuSnapshot:
+    times = os.times()
+    driver = times.user + times.system + times.children_user + times.children_system
+    return CpuSnapshot(time.monotonic(), machine_cpu_s(), driver, server_s)
+
+
+def other_cores(before: CpuSnapshot, after: CpuSnapshot) -> float | None:
+    """Cores that processes other than the server, this driver and its wrk used between two
+    snapshots: the neighbours' load during a window (Linux; None where it cannot be told).
+
+    On a machine shared with other sessions this is the figure to read beside a window's:
+    under Linux's autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``) a
+    neighbour started from another terminal takes its session's share of the cores whatever
+    its ``nice``."""
+    if before.machine_s is None or after.machine_s is None:
+        return None
+    if before.server_s is None or after.server_s is None:
+        return None
+    elapsed = after.wall_s - before.wall_s
+    if elapsed <= 0:
+        return None
+    others = (
+        (after.machine_s - before.machine_s)
+        - (after.driver_s - before.driver_s)
+        - (after.server_s - before.server_s)
+    )
+    return round(max(0.0, others) / elapsed, 2)
+
+
 async def measure_window(
     server: Server, clients: int, duration_s: float, wrk_connections: int | None
 ) -> Window:
@@ -493,6 +548,7 @@ async def measure_window(
     loop = asyncio.get_running_loop()
     window = Window(duration_s)
     cpu_before = server.cpu_s()
+    snapshot = cpu_snapshot(cpu_before)
     deadline = loop.time() + duration_s
     async with asyncio.TaskGroup() as group:
         for client in range(clients):
@@ -505,6 +561,8 @@ async def measure_window(
         cpu_after = server.cpu_s()
     if cpu_before is not None and cpu_after is not None:
         window.server_cpu_s = cpu_after - cpu_before
+    # After the last answers and wrk's exit, so that wrk's CPU counts as the driver's.
+    window.other_cores = other_cores(snapshot, cpu_snapshot(server.cpu_s()))
     return window
 
 
@@ -533,6 +591,7 @@ def summarize(mode: str, models: int, clients: int, load: str, window: Window) -
         "server_cores_busy": round(window.server_cpu_s / window.duration_s, 2)
         if window.server_cpu_s is not None
         else None,
+        "other_cores": window.other_cores,
     }
     if window.wrk is not None:
         line["wrk"] = window.wrk
@@ -579,6 +638,7 @@ def markdown_table(lines: list[dict[str, Any]]) -> str:
         "train steps/s",
         "step p50 (ms)",
         "server cores busy",
+        "other cores",
     ]
     if with_wrk:
         header += ["wrk req/s", "wrk p50 (ms)", "wrk p99 (ms)", "wrk max (ms)", "wrk errors"]
@@ -593,6 +653,7 @@ def markdown_table(lines: list[dict[str, Any]]) -> str:
             _format(line["train_steps_per_s"], "{:.1f}"),
             _format(line["train_step_p50_ms"]),
             _format(line["server_cores_busy"], "{:.2f}"),
+            _format(line.get("other_cores"), "{:.2f}"),
         ]
         if with_wrk:
             wrk = line.get("wrk") or {}

@@ -13,8 +13,8 @@ with ``--wrk``). Between two windows the server's policy is switched in place (t
 engine's ``policy`` and the CPU budget, as ``set_default_engine`` configures it) and the
 machine settles for a moment. Per case: the health latencies pooled over its windows (p50,
 p99, max), training steps/s (mean over windows), wrk's requests/s and p99 (medians over
-windows), and the server's CPU; and the offload cases' p99 over torch's, per round and
-pooled.
+windows), the server's CPU and the other processes' (the neighbours': ``other cores``,
+``async_app.other_cores``); and the offload cases' p99 over torch's, per round and pooled.
 
     python benchmarks/async_app_ab.py --rounds 8 --window 2
     python benchmarks/async_app_ab.py --rounds 8 --window 2 --wrk \\
@@ -116,6 +116,7 @@ class Case:
     health_ms: list[float] = dataclasses.field(default_factory=list)
     steps_per_s: list[float] = dataclasses.field(default_factory=list)
     cores: list[float] = dataclasses.field(default_factory=list)
+    others: list[float] = dataclasses.field(default_factory=list)  # neighbours' cores
     wrk_rps: list[float] = dataclasses.field(default_factory=list)
     wrk_p99: list[float] = dataclasses.field(default_factory=list)
     round_p99: list[float] = dataclasses.field(default_factory=list)
@@ -127,10 +128,15 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _window(url: str, pid: int, args: argparse.Namespace) -> tuple[async_app.Window, float]:
+async def _window(
+    url: str, pid: int, pids: list[int], args: argparse.Namespace
+) -> tuple[async_app.Window, float]:
+    """One window on the server ``pid``; ``pids``: both servers (the idle one's CPU is not
+    the neighbours')."""
     loop = asyncio.get_running_loop()
     window = async_app.Window(args.window)
     cpu0 = _cpu_s(pid)
+    snapshot = async_app.cpu_snapshot(sum(_cpu_s(p) for p in pids))
     deadline = loop.time() + args.window
     async with asyncio.TaskGroup() as group:
         for _ in range(args.clients):
@@ -140,6 +146,8 @@ async def _window(url: str, pid: int, args: argparse.Namespace) -> tuple[async_a
             group.create_task(async_app._wrk(url, args.window, args.wrk_connections, window))
         await asyncio.sleep(args.window)
         cpu1 = _cpu_s(pid)
+    after = async_app.cpu_snapshot(sum(_cpu_s(p) for p in pids))
+    window.other_cores = async_app.other_cores(snapshot, after)
     return window, (cpu1 - cpu0) / args.window
 
 
@@ -176,11 +184,13 @@ async def drive(args: argparse.Namespace) -> int:
                         async with session.post(f"{url}/policy", data=json.dumps(case.fields)) as r:
                             r.raise_for_status()
                     await asyncio.sleep(SETTLE_S)
-                    window, cores = await _window(url, pids[case.server], args)
+                    window, cores = await _window(url, pids[case.server], pids, args)
                     case.health_ms += window.health_ms
                     case.round_p99.append(_p(window.health_ms, 99))
                     case.steps_per_s.append(window.steps / args.window)
                     case.cores.append(cores)
+                    if window.other_cores is not None:
+                        case.others.append(window.other_cores)
                     if window.wrk is not None:
                         case.wrk_rps.append(window.wrk.get("requests_per_s", float("nan")))
                         case.wrk_p99.append(window.wrk.get("latency_p99_ms", float("nan")))
@@ -189,6 +199,7 @@ async def drive(args: argparse.Namespace) -> int:
                         {
                             "round": round_,
                             "loadavg": os.getloadavg()[0],
+                            "other_cores": [c.others[-1] if c.others else None for c in cases],
                             **{c.name: [c.round_p99[-1], c.steps_per_s[-1]] for c in cases},
                         }
                     ),
@@ -201,7 +212,10 @@ async def drive(args: argparse.Namespace) -> int:
                 await process.wait()
     torch = cases[0]
     print()
-    header = "| case | /health p50 | p99 | max | p99 / torch (pooled) | p99 / torch (rounds: median) | steps/s | cores |"
+    header = (
+        "| case | /health p50 | p99 | max | p99 / torch (pooled) "
+        "| p99 / torch (rounds: median) | steps/s | cores | other cores |"
+    )
     if args.wrk:
         header += " wrk req/s | wrk p99 |"
     print(header)
@@ -213,7 +227,8 @@ async def drive(args: argparse.Namespace) -> int:
             f"{round(max(case.health_ms), 2)} | "
             f"{_p(case.health_ms, 99) / _p(torch.health_ms, 99):.2f} | "
             f"{statistics.median(ratios):.2f} | {statistics.mean(case.steps_per_s):.1f} | "
-            f"{statistics.mean(case.cores):.2f} |"
+            f"{statistics.mean(case.cores):.2f} | "
+            f"{statistics.mean(case.others) if case.others else float('nan'):.2f} |"
         )
         if args.wrk:
             row += (

@@ -372,3 +372,36 @@ def test_late_ticks_attributes_every_late_tick() -> None:
     assert ticks == late > 0  # (threshold 0: every tick)
     causes = json.loads(second.split(": ", 1)[1].split("; ")[0].replace("'", '"'))
     assert sum(causes.values()) == late
+
+
+def test_async_app_other_cores_is_the_machine_less_server_and_driver() -> None:
+    pytest.importorskip("aiohttp")
+    from benchmarks.async_app import CpuSnapshot, other_cores
+
+    before = CpuSnapshot(wall_s=10.0, machine_s=100.0, driver_s=5.0, server_s=20.0)
+    # 2 s: the machine used 3.6 CPU-seconds, the driver 0.4, the server 1.8: 1.4 s others.
+    after = CpuSnapshot(wall_s=12.0, machine_s=103.6, driver_s=5.4, server_s=21.8)
+    assert other_cores(before, after) == 0.7
+    # Tick rounding can make the difference slightly negative: never below zero.
+    assert other_cores(before, CpuSnapshot(12.0, 101.0, 5.6, 21.0)) == 0.0
+    # Where /proc/stat or the server's stat cannot be read, or no time passed: unknown.
+    assert other_cores(CpuSnapshot(10.0, None, 5.0, 20.0), after) is None
+    assert other_cores(before, CpuSnapshot(12.0, 103.6, 5.4, None)) is None
+    assert other_cores(before, CpuSnapshot(10.0, 103.6, 5.4, 21.8)) is None
+
+
+def test_async_app_cpu_snapshot_counts_this_process() -> None:
+    pytest.importorskip("aiohttp")
+    from benchmarks.async_app import cpu_snapshot, machine_cpu_s
+
+    before = cpu_snapshot(None)
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:  # spend CPU in the driver
+        pass
+    after = cpu_snapshot(None)
+    assert after.driver_s - before.driver_s >= 0.04
+    assert after.wall_s > before.wall_s
+    if machine_cpu_s() is not None:  # Linux: the machine's count includes this process's
+        assert before.machine_s is not None
+        assert after.machine_s is not None
+        assert after.machine_s - before.machine_s >= 0.02
