@@ -7,7 +7,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from aioautograd.autograd.node import Edge, GradientEdge
-from aioautograd.autograd.unawaited import track
+from aioautograd.autograd.unawaited import forget_running, track
 from aioautograd.engine.engine import Engine
 from aioautograd.tensor import Tensor
 
@@ -192,6 +192,7 @@ async def _backward(
     create_graph: bool,
     inputs: TensorOrTensors | None,
 ) -> None:
+    forget_running()
     roots, grads, keep_graph, outputs = _prepare_backward(
         tensors, grad_tensors, retain_graph, create_graph, inputs
     )
