@@ -22,7 +22,6 @@ from aioautograd.autograd.saved import (
     SavedTensor,
     saved_tensors_hooks_stack,
     second_backward_error,
-    unpack_arrays,
 )
 from aioautograd.grad_mode import (
     _grad_enabled,
@@ -94,7 +93,17 @@ class BackwardCFunction(Node, FunctionCtx):
         saved = self._saved
         if saved is None:
             raise second_backward_error()
-        return unpack_arrays(saved, self) if saved else ()
+        # (saved.py's version check, written out: a call fewer per node with saved tensors)
+        arrays: list[Any] = []
+        for entry in saved:
+            if entry is None:
+                arrays.append(None)
+            elif entry._counter.value != entry._saved_version:
+                raise RuntimeError(entry._modified_message(self))
+            else:
+                tensor = entry._tensor
+                arrays.append((entry.unpack(self) if tensor is None else tensor).data)
+        return tuple(arrays)
 
     def apply(self, grads: Grads) -> Sequence[Tensor | None]:
         for grad in grads:  # (materialize_grads, a class attribute, read only when needed)

@@ -43,14 +43,13 @@ class _ModeContext:
 
     _var: ContextVar[bool] = _grad_enabled
     _value: bool
-
-    def __init__(self) -> None:
-        self._tokens: list[Token[bool]] = []
+    # (set where each instance is made: no Python ``__init__`` call per ``with no_grad():``)
+    _tokens: list[Token[bool]]
 
     def __enter__(self) -> None:
         self._tokens.append(self._var.set(self._value))
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
         self._var.reset(self._tokens.pop())
 
     def _fresh(self) -> _ModeContext:
@@ -158,11 +157,11 @@ class _BareDecorator(_ModeContext):
 
     def __new__(cls, func: Callable[..., Any] | None = None) -> Any:
         instance = object.__new__(cls)
+        instance._tokens = []
         if func is None:
             return instance
         if not callable(func):
             raise TypeError(f"{cls.__name__}() takes no arguments other than a function")
-        _ModeContext.__init__(instance)
         return instance(func)
 
 
@@ -196,7 +195,7 @@ class set_grad_enabled(_ModeContext):
     """
 
     def __init__(self, mode: bool) -> None:
-        super().__init__()
+        self._tokens = []
         self._value = bool(mode)
         self._previous = _grad_enabled.get()
         _grad_enabled.set(self._value)
@@ -204,7 +203,7 @@ class set_grad_enabled(_ModeContext):
     def __enter__(self) -> None:
         pass  # __init__ (the plain call) has set the mode
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
         self._var.set(self._previous)
 
     def __call__(self, func: F) -> F:
@@ -219,7 +218,7 @@ class _ScopedMode(_ModeContext):
     """``mode`` for one ``with`` block, with no effect before it (what decorators enter)."""
 
     def __init__(self, value: bool) -> None:
-        super().__init__()
+        self._tokens = []
         self._value = value
 
 
@@ -230,7 +229,6 @@ class inference_mode(no_grad):
     def __new__(cls, mode: Any = True) -> Any:
         if callable(mode):
             instance = super().__new__(cls)
-            _ModeContext.__init__(instance)
             return instance(mode)
         return super().__new__(cls)
 

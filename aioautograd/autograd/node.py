@@ -328,8 +328,23 @@ class AccumulateGrad(Node):
         grads[0] = None  # drop the buffer's reference so the gradient can be stolen
         variable = self.variable
         if grad is not None:
-            # The engine holds this node's lock while applying it: one writer per leaf.
-            accumulate_grad(variable, grad)
+            # PyTorch's AccumulateGrad rules (here, not in a function of their own: one call
+            # fewer per leaf). The engine holds this node's lock while applying it: one
+            # writer per leaf.
+            old = variable._grad
+            if _grad_enabled_get():  # create_graph: keep the accumulation differentiable
+                # A first gradient is copied differentiably (PyTorch's CopyBackwards node),
+                # so .grad never aliases a tensor of the graph.
+                variable._grad = grad._copy_grad() if old is None else old + grad
+            elif old is None:
+                # Kept without a copy when nothing else references it (PyTorch's
+                # AccumulateGrad "steals" it the same way); the reference: our local.
+                variable._grad = grad if owned_gradient(grad, 1) else _detached_copy(grad)
+            elif old.grad_fn is None and _writeable(old.data):
+                old.xp.add(old.data, grad.data, out=old.data)
+                old._bump_version()
+            else:
+                variable._grad = _detached_copy(old + grad)
         hooks = variable._post_accumulate_grad_hooks
         if hooks:  # (run when no gradient arrived too, as in PyTorch)
             for hook in tuple(hooks.values()):
@@ -339,25 +354,6 @@ class AccumulateGrad(Node):
                         "read or modify tensor.grad in place, not replace it"
                     )
         return ()
-
-
-def accumulate_grad(variable: Tensor, grad: Tensor) -> None:
-    """Add ``grad`` into ``variable.grad`` following PyTorch's AccumulateGrad rules."""
-    old = variable._grad
-    if _grad_enabled_get():  # create_graph: keep the accumulation differentiable
-        # A first gradient is copied differentiably (PyTorch's CopyBackwards node), so
-        # .grad never aliases a tensor of the graph.
-        variable._grad = grad._copy_grad() if old is None else old + grad
-        return
-    if old is None:
-        # Kept without a copy when nothing else references it (PyTorch's AccumulateGrad
-        # "steals" it the same way); references: ``AccumulateGrad.apply``'s local, our parameter.
-        variable._grad = grad if owned_gradient(grad, 2) else _detached_copy(grad)
-    elif old.grad_fn is None and _writeable(old.data):
-        old.xp.add(old.data, grad.data, out=old.data)
-        old._bump_version()
-    else:
-        variable._grad = _detached_copy(old + grad)
 
 
 # The references an owned gradient's array has: the tensor's ``data`` slot, the local

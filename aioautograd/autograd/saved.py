@@ -133,19 +133,5 @@ class HookedSavedTensor(SavedTensor):
         )
 
 
-def unpack_arrays(saved: tuple[SavedTensor | None, ...], node: Node) -> tuple[Any, ...]:
-    """The arrays of ``saved`` (``None`` stays ``None``), each version-checked."""
-    arrays: list[Any] = []
-    for entry in saved:
-        if entry is None:
-            arrays.append(None)
-        elif entry._counter.value != entry._saved_version:
-            raise RuntimeError(entry._modified_message(node))
-        else:
-            tensor = entry._tensor
-            arrays.append((entry.unpack(node) if tensor is None else tensor).data)
-    return tuple(arrays)
-
-
 def second_backward_error() -> RuntimeError:
     return RuntimeError(_SECOND_BACKWARD)

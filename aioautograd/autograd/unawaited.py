@@ -7,8 +7,9 @@ task (or, without a running loop, the thread) that made it, until it starts; rea
 ``.grad`` (which ``optimizer.step()`` and ``zero_grad()`` do) while the current task holds one
 that never started raises an error that says to ``await`` it.
 
-The cost is one list append per backward call and, on the next ``.grad`` read, one pass over
-that short list; nothing per node, no lock, no loop round-trip. The coroutine stays a plain
+The cost is one list append per backward call, undone when the coroutine starts (and, where
+it was not the latest entry, one pass over that short list on the next ``.grad`` read);
+nothing per node, no lock, no loop round-trip. The coroutine stays a plain
 coroutine, so ``asyncio.gather``, ``create_task`` and ``wait_for`` work on it as before.
 """
 
@@ -49,6 +50,14 @@ def track(coroutine: Coroutine[Any, Any, T], call: str) -> Coroutine[Any, Any, T
         items[:] = [item for item in items if not _started(item[1])]
     items.append((_owner(), coroutine, call))
     return coroutine
+
+
+def forget_running() -> None:
+    """(first thing a tracked coroutine runs) Forget its entry when it is the latest, as it
+    usually is: it has started, so the next ``.grad`` read would only prune it."""
+    items = _pending.items
+    if items and items[-1][1].cr_running:  # type: ignore[attr-defined]
+        del items[-1]
 
 
 def check_awaited() -> None:

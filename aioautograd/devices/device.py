@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from aioautograd.devices import cpu_budget as _cpu_budget_module
 from aioautograd.devices.cpu_budget import cpu_budget
 
 if TYPE_CHECKING:
@@ -94,11 +95,29 @@ class Backend:
 class CpuBackend(Backend):
     """NumPy, with matrix products counted against the CPU budget (``cpu_budget.py``)."""
 
+    # A product of matrices below the budget's ``min_counted_flops`` (and ``min_split_flops``)
+    # is one ``numpy.matmul`` whatever the budget's state: it is taken here, without the
+    # budget's three calls per product (a small MLP's every product).
+
     def matmul(self, a: Any, b: Any) -> Any:
-        return cpu_budget().matmul(a, b)
+        budget = _cpu_budget_module._budget or cpu_budget()
+        if a.ndim > 1 and b.ndim > 1 and 2.0 * a.size * b.shape[-1] < budget.min_counted_flops:
+            return np.matmul(a, b)
+        return budget.matmul(a, b)
 
     def matmul_pair(self, a1: Any, b1: Any, a2: Any, b2: Any) -> tuple[Any, Any]:
-        return cpu_budget().matmul_pair(a1, b1, a2, b2)
+        budget = _cpu_budget_module._budget or cpu_budget()
+        least = min(budget.min_counted_flops, budget.min_split_flops)
+        if (
+            a1.ndim > 1
+            and b1.ndim > 1
+            and a2.ndim > 1
+            and b2.ndim > 1
+            and 2.0 * a1.size * b1.shape[-1] < least
+            and 2.0 * a2.size * b2.shape[-1] < least
+        ):
+            return np.matmul(a1, b1), np.matmul(a2, b2)
+        return budget.matmul_pair(a1, b1, a2, b2)
 
 
 CPU_BACKEND = CpuBackend()

@@ -7,7 +7,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from aioautograd.autograd.node import Edge, GradientEdge
-from aioautograd.autograd.unawaited import track
+from aioautograd.autograd.unawaited import forget_running, track
 from aioautograd.engine.engine import Engine
 from aioautograd.tensor import Tensor
 
@@ -114,8 +114,22 @@ def _prepare_backward(
 ) -> tuple[list[Edge], list[Tensor | None], bool, list[Edge] | None]:
     if type(tensors) is Tensor and grad_tensors is None and inputs is None and not create_graph:
         # ``loss.backward()``: the same checks, without the general case's tuples
-        single = (tensors,)
         keep = False if retain_graph is None else retain_graph
+        data = tensors.data
+        if tensors._requires_grad and data.size == 1 and data.dtype.kind in "fc":
+            # (a scalar that requires grad: its edge and a gradient of one, as
+            # _root_edges and _make_grads make them, without their loops)
+            grad_fn = tensors.grad_fn
+            edge = (
+                (grad_fn, tensors._output_nr)
+                if grad_fn is not None
+                else (tensors._get_grad_accumulator(), 0)
+            )
+            device = tensors.device
+            # array(1).reshape: two C calls (ones_like is Python code, 5x the cost here).
+            one = device.xp.array(1, dtype=data.dtype).reshape(data.shape)
+            return [edge], [Tensor(one, device)], keep, None
+        single = (tensors,)
         return _root_edges(single), _make_grads(single, (None,)), keep, None
     outputs = _as_tuple(tensors)
     input_tuple = _as_tuple(inputs)
@@ -192,6 +206,7 @@ async def _backward(
     create_graph: bool,
     inputs: TensorOrTensors | None,
 ) -> None:
+    forget_running()
     roots, grads, keep_graph, outputs = _prepare_backward(
         tensors, grad_tensors, retain_graph, create_graph, inputs
     )

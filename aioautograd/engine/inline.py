@@ -46,7 +46,7 @@ from aioautograd.engine.graph_task import enter_graph_task
 from aioautograd.engine.input_buffer import buffer_device
 from aioautograd.engine.policy import NUMPY_ERRORS
 from aioautograd.engine.ready_queue import NodeTask
-from aioautograd.engine.validate import conformed, validated
+from aioautograd.engine.validate import _conform, conformed, validated
 from aioautograd.tensor import Tensor
 
 if TYPE_CHECKING:
@@ -460,43 +460,63 @@ def _run_schedule(
                 outputs = node.apply(inputs)
             finally:
                 node_lock.release()
-            if not keep_graph:
-                node.release_variables()
             edges = node._next_edges
-            if edges and len(outputs) != len(edges):
-                validated(edges, outputs, node)  # (raises: the count is wrong)
-            # (No lock: nothing else runs this graph task's nodes while the schedule does.)
-            i = -1
-            for next_node, input_nr in edges:
-                i += 1
-                if next_node is None:
-                    continue
-                grad = outputs[i]
-                if grad is not None:  # ``validated``'s check, in this loop
-                    grad = conformed(i, grad, next_node, input_nr, node)
-                count = dependencies[next_node]
-                if count != 1:
-                    dependencies[next_node] = count - 1
-                    hold(graph_task, next_node, input_nr, node, i, grad)
-                    continue
-                del dependencies[next_node]
-                buffer = not_ready.pop(next_node, None) if not_ready else None
-                if buffer is None and next_node._stream is None:
-                    if type(next_node) is AccumulateGrad:
-                        leaves.append((next_node, [grad]))
+            if edges:
+                if not keep_graph:
+                    node.release_variables()
+                if len(outputs) != len(edges):
+                    validated(edges, outputs, node)  # (raises: the count is wrong)
+                # (No lock: nothing else runs this graph task's nodes while the schedule does.)
+                i = -1
+                for next_node, input_nr in edges:
+                    i += 1
+                    if next_node is None:
                         continue
-                    inputs_of_next = len(next_node._input_metadata)
-                    if inputs_of_next == 1:
-                        buffer = [grad]
+                    grad = outputs[i]
+                    leaf = type(next_node) is AccumulateGrad
+                    if grad is not None:
+                        # (validate.conformed, written out as in the executors' _make_ready:
+                        # a call fewer per edge)
+                        if leaf:
+                            variable = next_node.variable  # type: ignore[attr-defined]
+                            data = variable.data
+                            shape, dtype, device = data.shape, data.dtype, variable.device
+                        else:
+                            shape, dtype, device = next_node._input_metadata[input_nr]
+                        if type(grad) is not Tensor or not (
+                            grad.device is device
+                            and (data := grad.data).shape == shape
+                            and (data.dtype is dtype or data.dtype == dtype)
+                        ):
+                            grad = _conform(i, grad, shape, dtype, device, node)
+                        data = None
+                    count = dependencies[next_node]
+                    if count != 1:
+                        dependencies[next_node] = count - 1
+                        hold(graph_task, next_node, input_nr, node, i, grad)
+                        continue
+                    del dependencies[next_node]
+                    buffer = not_ready.pop(next_node, None) if not_ready else None
+                    if buffer is None and next_node._stream is None:
+                        if leaf:
+                            leaves.append((next_node, [grad]))
+                            continue
+                        inputs_of_next = len(next_node._input_metadata)
+                        if inputs_of_next == 1:
+                            buffer = [grad]
+                        else:
+                            buffer = [None] * inputs_of_next
+                            buffer[input_nr] = grad
                     else:
-                        buffer = [None] * inputs_of_next
-                        buffer[input_nr] = grad
-                else:
-                    buffer = complete_buffer(graph_task, buffer, next_node, input_nr, node, i, grad)
-                    if type(next_node) is AccumulateGrad:
-                        leaves.append((next_node, buffer))
-                        continue
-                ready[next_node] = buffer
+                        buffer = complete_buffer(
+                            graph_task, buffer, next_node, input_nr, node, i, grad
+                        )
+                        if leaf:
+                            leaves.append((next_node, buffer))
+                            continue
+                    ready[next_node] = buffer
+            elif not keep_graph and type(node) is not AccumulateGrad:
+                node.release_variables()  # (a leaf's node saves nothing)
             # No local may keep a gradient past here: its reference count decides whether
             # the successor (AccumulateGrad, ReLU's backward) may steal it.
             del outputs
@@ -528,7 +548,33 @@ def _run_schedule(
             graph_task.outstanding_tasks = 0
             graph_task.all_tasks_done()
             return None
-        if time.perf_counter() > deadline or not qualifies(node, inputs, max_elements, max_flops):
+        if time.perf_counter() > deadline:
+            break
+        plain = node._plain
+        if plain == INLINE:
+            # ``qualifies``'s case of a plain element-wise node (not a leaf's: a plain leaf
+            # went on above), written out: one call and dispatch fewer per node
+            size = 0
+            for grad in inputs:
+                if grad is not None:
+                    if grad.device.type != "cpu":
+                        size = max_elements + 1
+                        break
+                    size += grad.data.size
+            grad = None  # (see owned_gradient)
+            for next_node, input_nr in node._next_edges:
+                if next_node is not None:
+                    if type(next_node) is AccumulateGrad:  # its metadata is the leaf's
+                        size += next_node.variable.data.size
+                    else:
+                        size += math.prod(next_node._input_metadata[input_nr][0])
+            if size > max_elements:
+                break
+        elif not (
+            _priced_qualifies(node, inputs, max_elements, max_flops)
+            if plain == PRICED
+            else qualifies(node, inputs, max_elements, max_flops)
+        ):
             break
     tasks = _ready_tasks(graph_task, node if current else None, inputs, leaves, ready)
     graph_task.outstanding_tasks = len(tasks)

@@ -226,22 +226,25 @@ def cross_entropy(
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
     _check_same_device("cross_entropy", input, target, weight)
-    if input.dtype.kind != "f":
+    # (the arrays' attributes: the tensors' properties are a Python call each)
+    input_data, target_data = input.data, target.data
+    if input_data.dtype.kind != "f":
         raise RuntimeError(f"cross_entropy: expected floating point input, got {input.dtype}")
-    if input.ndim == 0:
+    shape = input_data.shape
+    if not shape:
         raise RuntimeError("cross_entropy: input must have at least 1 dimension (the classes)")
-    class_dim = 0 if input.ndim == 1 else 1
-    num_classes = input.shape[class_dim]
-    class_indices = target.dtype.kind in "iu"
+    class_dim = 0 if len(shape) == 1 else 1
+    num_classes = shape[class_dim]
+    class_indices = target_data.dtype.kind in "iu"
     if class_indices:
-        expected = input.shape[:class_dim] + input.shape[class_dim + 1 :]
-        if tuple(target.shape) != tuple(expected):
+        expected = shape[:class_dim] + shape[class_dim + 1 :]
+        if tuple(target_data.shape) != tuple(expected):
             raise RuntimeError(
                 f"cross_entropy: expected class-index target of size {list(expected)} for input "
                 f"of size {list(input.shape)}, got target of size {list(target.shape)}"
             )
-    elif target.dtype.kind == "f":
-        if tuple(target.shape) != tuple(input.shape):
+    elif target_data.dtype.kind == "f":
+        if tuple(target_data.shape) != tuple(shape):
             raise RuntimeError(
                 f"cross_entropy: expected class-probability target of size {list(input.shape)} "
                 f"(the input's size), got target of size {list(target.shape)}; class-index "

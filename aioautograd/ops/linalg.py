@@ -25,7 +25,7 @@ class MatMul(Op):
         if needs:
             # Each gradient needs only the other operand.
             ctx.save_for_backward(a if needs[1] else None, b if needs[0] else None)
-            ctx.ndims = (a.ndim, b.ndim)
+            ctx.ndims = (a_data.ndim, b_data.ndim)
         return wrap(device.backend.matmul(a_data, b_data), device)
 
     @staticmethod
@@ -37,15 +37,16 @@ class MatMul(Op):
             a_data, b_data = ctx.saved_arrays
             g, device = grad.data, grad.device
             # (the arrays' own swapaxes: NumPy's function is a Python wrapper around it)
+            # (products of matrices are arrays, never scalars: no ``wrap``)
             if needs[0] and needs[1]:
                 grad_a, grad_b = device.backend.matmul_pair(
                     g, b_data.swapaxes(-1, -2), a_data.swapaxes(-1, -2), g
                 )
-                return wrap(grad_a, device), wrap(grad_b, device)
+                return Tensor(grad_a, device), Tensor(grad_b, device)
             product = device.backend.matmul
             return (
-                wrap(product(g, b_data.swapaxes(-1, -2)), device) if needs[0] else None,
-                wrap(product(a_data.swapaxes(-1, -2), g), device) if needs[1] else None,
+                Tensor(product(g, b_data.swapaxes(-1, -2)), device) if needs[0] else None,
+                Tensor(product(a_data.swapaxes(-1, -2), g), device) if needs[1] else None,
             )
         a, b = ctx.saved_tensors
         if a_ndim == 1 and b_ndim == 1:  # dot product: grad is 0-d
@@ -125,12 +126,14 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         a = as_tensor_like(a, b)
     elif not isinstance(b, Tensor):
         b = as_tensor_like(b, a)
-    if a.ndim == 0 or b.ndim == 0:
+    # (the arrays' shapes: the tensor's properties are a Python call each)
+    a_shape, b_shape = a.data.shape, b.data.shape
+    if not a_shape or not b_shape:
         raise RuntimeError(
             f"both arguments to matmul need to be at least 1D, but they are {a.ndim}D and {b.ndim}D"
         )
-    inner_a = a.shape[-1]
-    inner_b = b.shape[-2] if b.ndim > 1 else b.shape[0]
+    inner_a = a_shape[-1]
+    inner_b = b_shape[-2] if len(b_shape) > 1 else b_shape[0]
     if inner_a != inner_b:
         raise RuntimeError(
             f"matmul: Input operand inner dimensions do not match: {list(a.shape)} @ "

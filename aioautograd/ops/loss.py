@@ -69,7 +69,7 @@ class CrossEntropy(Op):
                     ctx.setup, ctx.fused_rows = setup, (target.data, row_weights)
                     ctx.saved_device = input.device
                 return wrap(loss, input.device)
-        xp = input.xp
+        xp = input.device.xp
         dim = setup.class_dim
         shifted = input.data - input.data.max(axis=dim, keepdims=True)
         log_probs = shifted - xp.log(xp.exp(shifted).sum(axis=dim, keepdims=True))
@@ -110,7 +110,7 @@ class CrossEntropy(Op):
         needs = ctx.needs_input_grad
         if setup.class_indices and needs[0] and not is_grad_enabled():
             # Nothing to record (a plain backward): the formula below on the arrays.
-            xp, g = grad.xp, grad.data
+            xp, g = grad.device.xp, grad.data
             if ctx.fused_rows is not None:
                 fused = ctx.saved_device.fused
                 target, row_weights = ctx.fused_rows

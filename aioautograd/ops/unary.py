@@ -201,7 +201,8 @@ class Sigmoid(Op):
 class Relu(Op):
     @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor) -> Tensor:
-        out = wrap(x.xp.maximum(x.data, 0), x.device)
+        device = x.device  # (its xp: Tensor.xp is a Python call)
+        out = wrap(device.xp.maximum(x.data, 0), device)
         ctx.save_for_backward(out)
         return out
 
@@ -240,7 +241,7 @@ def _threshold_backward(grad: Tensor, out: Array, reuse: bool = False) -> Tensor
     fused = grad.device.fused
     if fused is not None:
         return wrap(fused.threshold_backward(grad.data, out), grad.device)
-    xp = grad.xp
+    xp = grad.device.xp
     # (before ``data`` holds the array: a local reference would make it look shared)
     in_place = reuse and owned_gradient(grad, _RELU_GRAD_REFS)
     data = grad.data

@@ -894,3 +894,42 @@ def test_the_policy_reaches_the_budget_s_helper_placement() -> None:
         ag.set_default_engine(previous)
         engine.close()
     assert cpu_budget().place_helpers is True
+
+
+def test_the_cpu_backend_computes_small_products_itself_and_larger_ones_on_the_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    budget = cpu_budget()
+    calls: list[str] = []
+
+    def counted(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        calls.append("matmul")
+        return np.matmul(a, b)
+
+    def counted_pair(
+        a1: np.ndarray, b1: np.ndarray, a2: np.ndarray, b2: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        calls.append("pair")
+        return np.matmul(a1, b1), np.matmul(a2, b2)
+
+    monkeypatch.setattr(budget, "matmul", counted)
+    monkeypatch.setattr(budget, "matmul_pair", counted_pair)
+    backend = ag.device("cpu").backend
+    rng = np.random.default_rng(0)
+    small_a, small_b = rng.standard_normal((8, 64)), rng.standard_normal((64, 64))
+    large_a = rng.standard_normal((256, 64))  # 2 * 256 * 64 * 64 flops: counted
+    assert 2.0 * small_a.size * 64 < budget.min_counted_flops <= 2.0 * large_a.size * 64
+    np.testing.assert_array_equal(backend.matmul(small_a, small_b), small_a @ small_b)
+    first, second = backend.matmul_pair(small_a, small_b, small_b[:8], small_b)
+    np.testing.assert_array_equal(first, small_a @ small_b)
+    np.testing.assert_array_equal(second, small_b[:8] @ small_b)
+    assert calls == []
+    np.testing.assert_array_equal(backend.matmul(large_a, small_b), large_a @ small_b)
+    np.testing.assert_array_equal(backend.matmul(small_b[0], small_b), small_b[0] @ small_b)
+    backend.matmul_pair(small_a, small_b, large_a, small_b)  # one product too large: paired
+    assert calls == ["matmul", "matmul", "pair"]
+    calls.clear()
+    monkeypatch.setattr(budget, "min_counted_flops", 0.0)  # every product counted
+    backend.matmul(small_a, small_b)
+    backend.matmul_pair(small_a, small_b, small_a, small_b)
+    assert calls == ["matmul", "pair"]

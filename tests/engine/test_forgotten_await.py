@@ -100,3 +100,17 @@ async def test_many_awaited_backwards_keep_nothing_alive() -> None:
     for _ in range(100):
         await (x * 2).sum().backward()
     assert len(_pending.items) <= 9
+
+
+async def test_an_awaited_backward_leaves_nothing_to_prune_and_a_forgotten_one_is_kept() -> None:
+    from aioautograd.autograd.unawaited import _pending
+
+    x = ag.randn(3, requires_grad=True)
+    await (x * 2).sum().backward()
+    assert _pending.items == []  # forgotten when it started, not at the next .grad read
+    forgotten = (x * 3).sum().backward()
+    await (x * 4).sum().backward()  # started after the forgotten one was made
+    assert [call for _, coroutine, call in _pending.items] == ["loss.backward()"]
+    assert _pending.items[0][1] is forgotten
+    with pytest.raises(RuntimeError, match="without `await`"):
+        _ = x.grad

@@ -500,3 +500,44 @@ async def test_a_leaf_fed_by_several_nodes_sums_the_same_inline_and_on_the_execu
         await loss.backward()
         results.append(x.grad.data.copy())  # type: ignore[union-attr]
     np.testing.assert_array_equal(results[0], results[1])
+
+
+async def test_the_inline_schedule_hands_a_node_too_large_to_the_executors() -> None:
+    """The schedule prices every node before it runs (``qualifies``' rule, written out for
+    an element-wise node): a node whose gradients exceed ``inline_max_elements`` goes to
+    the executors with the rest, after the small nodes before it ran on the loop."""
+    get_default_engine().inline_budget_s = 1.0
+    threads: dict[str, str] = {}
+
+    class Total(ag.Function):
+        _inline_backward = True  # element-wise pricing: its gradient is its input's size
+
+        @staticmethod
+        def forward(ctx: Any, x: ag.Tensor) -> ag.Tensor:
+            ctx.shape = x.shape
+            return ag.tensor(x.data.sum())
+
+        @staticmethod
+        def backward(ctx: Any, grad: ag.Tensor) -> ag.Tensor:
+            threads["total"] = threading.current_thread().name
+            return grad.expand(ctx.shape) * 1.0
+
+    class Scale(ag.Function):
+        _inline_backward = True
+
+        @staticmethod
+        def forward(ctx: Any, x: ag.Tensor) -> ag.Tensor:
+            return x.detach() * 3.0
+
+        @staticmethod
+        def backward(ctx: Any, grad: ag.Tensor) -> ag.Tensor:
+            threads["scale"] = threading.current_thread().name
+            return grad * 3.0
+
+    for side, total_inline in ((8, True), (2 * int(INLINE_MAX_ELEMENTS**0.5), False)):
+        threads.clear()
+        x = ag.randn(side, side, requires_grad=True)
+        await Scale.apply(Total.apply(x)).backward()
+        assert threads["scale"] == threading.current_thread().name
+        assert _is_executor(threads["total"]) is not total_inline, (side, threads)
+        assert_close(x.grad, np.full((side, side), 3.0, np.float32))
