@@ -470,7 +470,7 @@ class GraphTask:
         assert loop is not None
         context = self._prepare_async_context()
         self.outstanding_tasks = 1
-        budget = self.engine.inline_budget_s
+        budget = self.engine.policy.inline_budget_s
         if budget > 0 and device.type == "cpu" and self.parent is None:
             completed = context.run(_run_inline or _load_run_inline(), self, first, budget)
         else:
