@@ -46,7 +46,7 @@ from aioautograd.engine.graph_task import enter_graph_task
 from aioautograd.engine.input_buffer import buffer_device
 from aioautograd.engine.policy import NUMPY_ERRORS
 from aioautograd.engine.ready_queue import NodeTask
-from aioautograd.engine.validate import _conform, conformed, validated
+from aioautograd.engine.validate import conformed, validated
 from aioautograd.tensor import Tensor
 
 if TYPE_CHECKING:
@@ -95,6 +95,12 @@ def qualifies(node: Node, inputs: list[Tensor | None], max_elements: int, max_fl
     elif type(node) is AccumulateGrad:
         grad = inputs[0]  # (a leaf's node has one input)
         return grad is None or (grad.device.type == "cpu" and grad.data.size <= max_elements)
+    return _elementwise_fits(node, inputs, max_elements)
+
+
+def _elementwise_fits(node: Node, inputs: list[Tensor | None], max_elements: int) -> bool:
+    """``qualifies`` for a node priced by its elements (not a leaf's): on the CPU, and the
+    gradients it reads and writes have at most ``max_elements`` elements."""
     size = 0
     for grad in inputs:
         if grad is not None:
@@ -473,23 +479,9 @@ def _run_schedule(
                     if next_node is None:
                         continue
                     grad = outputs[i]
+                    if grad is not None:  # ``validated``'s check, in this loop
+                        grad = conformed(i, grad, next_node, input_nr, node)
                     leaf = type(next_node) is AccumulateGrad
-                    if grad is not None:
-                        # (validate.conformed, written out as in the executors' _make_ready:
-                        # a call fewer per edge)
-                        if leaf:
-                            variable = next_node.variable  # type: ignore[attr-defined]
-                            data = variable.data
-                            shape, dtype, device = data.shape, data.dtype, variable.device
-                        else:
-                            shape, dtype, device = next_node._input_metadata[input_nr]
-                        if type(grad) is not Tensor or not (
-                            grad.device is device
-                            and (data := grad.data).shape == shape
-                            and (data.dtype is dtype or data.dtype == dtype)
-                        ):
-                            grad = _conform(i, grad, shape, dtype, device, node)
-                        data = None
                     count = dependencies[next_node]
                     if count != 1:
                         dependencies[next_node] = count - 1
@@ -551,24 +543,8 @@ def _run_schedule(
         if time.perf_counter() > deadline:
             break
         plain = node._plain
-        if plain == INLINE:
-            # ``qualifies``'s case of a plain element-wise node (not a leaf's: a plain leaf
-            # went on above), written out: one call and dispatch fewer per node
-            size = 0
-            for grad in inputs:
-                if grad is not None:
-                    if grad.device.type != "cpu":
-                        size = max_elements + 1
-                        break
-                    size += grad.data.size
-            grad = None  # (see owned_gradient)
-            for next_node, input_nr in node._next_edges:
-                if next_node is not None:
-                    if type(next_node) is AccumulateGrad:  # its metadata is the leaf's
-                        size += next_node.variable.data.size
-                    else:
-                        size += math.prod(next_node._input_metadata[input_nr][0])
-            if size > max_elements:
+        if plain == INLINE:  # (not a leaf's node: a plain leaf went on above)
+            if not _elementwise_fits(node, inputs, max_elements):
                 break
         elif not (
             _priced_qualifies(node, inputs, max_elements, max_flops)
