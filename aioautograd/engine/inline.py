@@ -466,10 +466,10 @@ def _run_schedule(
                 outputs = node.apply(inputs)
             finally:
                 node_lock.release()
+            if not keep_graph and type(node) is not AccumulateGrad:  # (a leaf's saves nothing)
+                node.release_variables()
             edges = node._next_edges
             if edges:
-                if not keep_graph:
-                    node.release_variables()
                 if len(outputs) != len(edges):
                     validated(edges, outputs, node)  # (raises: the count is wrong)
                 # (No lock: nothing else runs this graph task's nodes while the schedule does.)
@@ -507,8 +507,6 @@ def _run_schedule(
                             leaves.append((next_node, buffer))
                             continue
                     ready[next_node] = buffer
-            elif not keep_graph and type(node) is not AccumulateGrad:
-                node.release_variables()  # (a leaf's node saves nothing)
             # No local may keep a gradient past here: its reference count decides whether
             # the successor (AccumulateGrad, ReLU's backward) may steal it.
             del outputs
