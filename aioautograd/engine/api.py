@@ -24,6 +24,13 @@ def _as_tuple(value: Any) -> tuple[Any, ...]:
     return (value,)
 
 
+def _one_like(out: Tensor) -> Tensor:
+    """The implicit gradient of the one-element ``out``: a one of its shape, dtype, device."""
+    data, device = out.data, out.device
+    # array(1).reshape: two C calls (ones_like is Python code, 5x the cost here).
+    return Tensor(device.xp.array(1, dtype=data.dtype).reshape(data.shape), device)
+
+
 def _make_grads(
     outputs: tuple[Tensor, ...], grads: tuple[Tensor | None, ...]
 ) -> list[Tensor | None]:
@@ -46,9 +53,7 @@ def _make_grads(
                     "grad can be implicitly created only for real scalar outputs but got "
                     f"{out.data.dtype}"
                 )
-            # array(1).reshape: two C calls (ones_like is Python code, 5x the cost here).
-            one = out.xp.array(1, dtype=out.data.dtype).reshape(out.data.shape)
-            result.append(Tensor(one, out.device))
+            result.append(_one_like(out))
             continue
         if not isinstance(grad, Tensor):
             raise TypeError(
@@ -119,16 +124,7 @@ def _prepare_backward(
         if tensors._requires_grad and data.size == 1 and data.dtype.kind in "fc":
             # (a scalar that requires grad: its edge and a gradient of one, as
             # _root_edges and _make_grads make them, without their loops)
-            grad_fn = tensors.grad_fn
-            edge = (
-                (grad_fn, tensors._output_nr)
-                if grad_fn is not None
-                else (tensors._get_grad_accumulator(), 0)
-            )
-            device = tensors.device
-            # array(1).reshape: two C calls (ones_like is Python code, 5x the cost here).
-            one = device.xp.array(1, dtype=data.dtype).reshape(data.shape)
-            return [edge], [Tensor(one, device)], keep, None
+            return [tensors._gradient_edge()], [_one_like(tensors)], keep, None
         single = (tensors,)
         return _root_edges(single), _make_grads(single, (None,)), keep, None
     outputs = _as_tuple(tensors)
