@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from aioautograd.devices.gil_waiters import register_engine_thread
+from aioautograd.devices.memory import keep_freed_memory
 from aioautograd.devices.thread_slice import drop_inherited_slice
 
 
@@ -1054,4 +1055,6 @@ def configure(policy: Any, only_if_unset: bool = False) -> CpuBudget:
                 budget._blas.set(budget._user_blas_threads)
             budget._blas = None
         budget._slot_free.notify_all()
+    if policy.keep_freed_memory:
+        keep_freed_memory()
     return budget

@@ -161,6 +161,15 @@ class EnginePolicy:
             lock, an event or I/O) and, unless those workers used the CPU meanwhile,
             starts an extra worker, outside the CPU budget, that serves the queue until
             it is empty (``engine/watchdog.py``). 0 disables.
+        keep_freed_memory: set glibc's ``malloc`` to keep up to 64 MiB of freed memory for
+            reuse (mmap threshold 32 MiB, trim threshold 64 MiB: where glibc's own adaptive
+            rule ends), when this policy configures the CPU budget (the first product, or
+            ``set_default_engine``). A step that frees arrays of a few hundred KB otherwise
+            hands them back to the kernel and faults them in again: the flagship example's
+            model took ~420 page faults per step and ran 30-40% longer per step (session 32).
+            Process-wide, and not undone by a later policy; skipped without glibc and when
+            the environment sets malloc's thresholds itself (``MALLOC_*_`` variables,
+            ``GLIBC_TUNABLES``). See ``devices/memory.py``.
     """
 
     cpu_threads: int | None = None
@@ -186,6 +195,7 @@ class EnginePolicy:
     gil_pause_s: float = 0.00002
     gil_pause_always: bool = False
     blocked_node_s: float = 1.0
+    keep_freed_memory: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.loop_slice_s < float("inf"):

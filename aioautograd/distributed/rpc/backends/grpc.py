@@ -84,7 +84,7 @@ from aioautograd.distributed.rpc.errors import (
     WorkerUnavailableError,
 )
 from aioautograd.distributed.rpc.futures import RpcFuture
-from aioautograd.distributed.rpc.memory import keep_freed_memory
+from aioautograd.devices.memory import keep_freed_memory
 from aioautograd.distributed.rpc.options import GrpcOptions
 from aioautograd.distributed.rpc.worker import WorkerInfo
 

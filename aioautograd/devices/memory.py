@@ -1,16 +1,24 @@
-"""Freed memory kept for reuse in a worker process (glibc's ``malloc``), instead of being
-handed back to the kernel after every step and faulted back in during the next.
+"""Freed memory kept for reuse in the process (glibc's ``malloc``), instead of being handed
+back to the kernel after every training step and faulted back in during the next.
 
 glibc serves a large allocation with a fresh ``mmap`` (each of its pages faults in when first
 written) while it is above the *mmap threshold*, and hands the free top of its heap back to
 the kernel once it exceeds the *trim threshold*. Both adapt to the program (after a mapped
 block of up to 32 MiB is freed, the mmap threshold becomes its size and the trim threshold
 twice that), but a training step that allocates and frees many arrays of a few hundred KB
-keeps crossing the trim threshold: on the model-parallel step of ``benchmarks/`` each
-worker process took 80-110 page faults per step, and the page faults and the trimming cost
-its event loop ~0.4-0.8 ms per step (``benchmarks/README.md``, issue #15, session 26).
+keeps crossing the trim threshold:
+- the flagship example's model (2-128-128-3, 1,200 points: activations of 600 KB, weights of
+  64 KB) took ~420 page faults per step, 1.7-2.7 ms of system time, and its steps ran
+  30-40% longer than with the thresholds below (``benchmarks/README.md``, session 32);
+- each worker process of the model-parallel step took 80-110 page faults per step, ~0.4-0.8
+  ms of its event loop (issue #15, session 26).
+Models whose steps also free larger blocks (a 1024x1024 weight's gradient) move glibc's
+thresholds far enough themselves and fault little either way.
+
 :func:`keep_freed_memory` sets the thresholds where glibc's own rule ends (mmap 32 MiB, trim
-64 MiB): a process then keeps up to 64 MiB of freed memory for its next allocations.
+64 MiB): the process then keeps up to 64 MiB of freed memory for its next allocations. The
+engine applies it when its policy configures the CPU budget (``EnginePolicy.keep_freed_memory``),
+a ``grpc`` worker when it starts (``GrpcOptions.keep_freed_memory``).
 """
 
 from __future__ import annotations
