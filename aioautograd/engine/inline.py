@@ -272,11 +272,6 @@ def _run_tasks(
     heap: list[tuple[int, int, NodeTask]] = []
     pushed = 0
     fast = graph_task.plain  # (set by analyse, which ran before the first node)
-    keep_graph = graph_task.keep_graph
-    lock = graph_task.lock
-    dependencies = graph_task.dependencies
-    not_ready = graph_task.not_ready
-    depth_key = graph_task.depth_key
     if _current_graph_task_get() is not graph_task:
         enter_graph_task(graph_task)
     task: NodeTask | None = first
@@ -296,6 +291,12 @@ def _run_tasks(
             pushed += 1
             heapq.heappush(heap, (-task.key, pushed, task))
             return heap
+    # (read here: a pass the schedule completes needs none of them)
+    keep_graph = graph_task.keep_graph
+    lock = graph_task.lock
+    dependencies = graph_task.dependencies
+    not_ready = graph_task.not_ready
+    depth_key = graph_task.depth_key
     while task is not None:
         node = task.node
         made: NodeTask | None = None
