@@ -11,18 +11,20 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal
 
 from aioautograd.anomaly_mode import _anomaly, current_node
-from aioautograd.autograd.node import Edge, Error, Grads, Node
+from aioautograd.autograd.node import Edge, Error, Grads, Node, _sequence_nr
 from aioautograd.autograd.saved import (
     HookedSavedTensor,
     SavedTensor,
     saved_tensors_hooks_stack,
     second_backward_error,
 )
+from aioautograd.devices.device import CPU
 from aioautograd.grad_mode import (
     _grad_enabled,
     _grad_enabled_get,
@@ -37,8 +39,8 @@ EdgeRule = Literal["tensors", "differentiable", "operands"]
 _anomaly_get = _anomaly.get
 _saved_tensors_hooks_get = saved_tensors_hooks_stack.get
 # Attribute loads on classes are not specialized by CPython 3.11: bound once too.
-_node_init = Node.__init__
 _new_object = object.__new__
+_new_lock = threading.Lock
 
 
 class FunctionCtx:
@@ -74,6 +76,13 @@ class FunctionCtx:
 
 class BackwardCFunction(Node, FunctionCtx):
     """The node (and ``ctx``) of one application of a ``Function``."""
+
+    # Counted at forward (``_apply_with_grad``) and read by inline pricing (engine/inline.py)
+    # instead of the gradients' and edges' sizes at every backward: the elements of the
+    # gradients the node reads (its tensor outputs') and writes (its inputs' that require
+    # grad), negative when an output is not on the CPU. A gradient that does not arrive
+    # (None) is counted all the same: an upper bound.
+    __slots__ = ("_elements",)
 
     _forward_cls: ClassVar[type[Function]]
     _saved: tuple[SavedTensor | None, ...] | None = ()
@@ -361,6 +370,9 @@ class Function:
 
 
 _NO_EDGE: Edge = (None, 0)
+# ``BackwardCFunction._elements`` of a node with an output off the CPU: negative whatever
+# is added to it.
+_UNCOUNTED = -(1 << 62)
 # The input metadata of an output that is not a tensor (its device None: nothing to make).
 _NOT_A_TENSOR: Any = ((), None, None)
 
@@ -415,15 +427,21 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
     needs: list[bool] = []
     skipped: list[int] | None = None  # the arguments that get no edge (see _edge_rule)
     plain_input = False  # a tensor argument that does not require grad
+    topo = 0  # (Node.__init__'s topological_nr, found in this loop)
+    elements = 0  # of the gradients the node writes and reads (BackwardCFunction._elements)
     for arg in args:
         if isinstance(arg, Tensor):
             if arg._requires_grad:
+                elements += arg.data.size
                 grad_fn = arg.grad_fn
-                edges.append(
-                    (grad_fn, arg._output_nr)
-                    if grad_fn is not None
-                    else (arg._get_grad_accumulator(), 0)
-                )
+                if grad_fn is not None:
+                    edges.append((grad_fn, arg._output_nr))
+                    if grad_fn.topological_nr >= topo:
+                        topo = grad_fn.topological_nr + 1
+                else:
+                    edges.append((arg._get_grad_accumulator(), 0))
+                    if not topo:
+                        topo = 1  # (an accumulator's topological_nr is 0)
                 needs.append(True)
                 continue
             plain_input = True
@@ -444,7 +462,12 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
         node = _new_object(node_cls)
         node._edge_args = tuple(i for i in range(len(args)) if i not in skipped)  # type: ignore[attr-defined]
         node._num_args = len(args)  # type: ignore[attr-defined]
-    _node_init(node, tuple(edges))
+    # Node.__init__'s fields, set here (once per recorded op: a call fewer)
+    node._next_edges = tuple(edges)
+    node.topological_nr = topo
+    node.sequence_nr = next(_sequence_nr)
+    node._input_metadata = []
+    node._lock = _new_lock()
     node.needs_input_grad = tuple(needs)
 
     token = _grad_enabled_set(False)
@@ -477,15 +500,19 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
         dtype = data.dtype
         out_device = out.device
         metadata.append((data.shape, dtype, out_device))
-        if node._stream is None and out_device.backend.has_streams:
-            # As PyTorch: the node's stream is that of its outputs' device (where its
-            # gradients arrive), current at forward; a copy to the CPU has none.
-            node._stream = out_device.current_stream()
-            node._plain = 0
+        elements += data.size  # (a gradient the node reads)
+        if out_device is not CPU:
+            elements = _UNCOUNTED
+            if node._stream is None and out_device.backend.has_streams:
+                # As PyTorch: the node's stream is that of its outputs' device (where its
+                # gradients arrive), current at forward; a copy to the CPU has none.
+                node._stream = out_device.current_stream()
+                node._plain = 0
         if dtype.kind in "fc" and not (non_diff and any(out is n for n in non_diff)):
             out.grad_fn = node
             out._output_nr = output_nr
             out._requires_grad = True
+    node._elements = elements
     if replaced is not None:
         outputs = tuple(replaced)
         raw = outputs if type(raw) is tuple else outputs[0]

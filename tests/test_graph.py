@@ -69,3 +69,24 @@ def test_draw_places_every_node_once_with_matplotlib() -> None:
     import matplotlib.pyplot as plt
 
     plt.close(ax.figure)
+
+
+def test_a_recorded_nodes_topological_and_sequence_numbers() -> None:
+    # Function.apply sets Node.__init__'s fields itself: the longest path to a leaf, the
+    # creation order, and a lock and a metadata list of the node's own.
+    a = ag.randn(3, 4, requires_grad=True)
+    w = ag.randn(4, 2, requires_grad=True)
+    h = a @ w  # two leaves' accumulators: 1
+    c = h * 2.0  # 2
+    d = h + c  # the longer of its two paths: 3
+    e = ag.randn(3, 2) * d  # a data operand adds no path: 4
+    f = ag.randn(3, 2, requires_grad=True) + 1.0  # a leaf and a number: 1
+    g = f + ag.randn(3, 2)  # 2
+    nodes = [t.grad_fn for t in (h, c, d, e, f, g)]
+    assert [n.topological_nr for n in nodes] == [1, 2, 3, 4, 1, 2]  # type: ignore[union-attr]
+    sequence = [n.sequence_nr for n in nodes]  # type: ignore[union-attr]
+    assert sequence == sorted(sequence)
+    assert len(set(sequence)) == len(sequence)
+    assert len({id(n._lock) for n in nodes}) == len(nodes)  # type: ignore[union-attr]
+    assert [n.num_inputs for n in nodes] == [1] * len(nodes)  # type: ignore[union-attr]
+    assert h.grad_fn.next_functions[0][0].topological_nr == 0  # type: ignore[union-attr]

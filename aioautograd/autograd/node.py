@@ -89,6 +89,10 @@ class Node:
     # node's gradients costs (GELU's backward evaluates the error function: ~50 NumPy
     # passes). Inline execution counts its elements this many times (engine/inline.py).
     _element_cost: ClassVar[int] = 1
+    # The elements of the gradients it reads and writes, counted at its creation (a
+    # ``Function``'s node: function.BackwardCFunction); negative: not counted, inline
+    # pricing reads them from the gradients and the edges' metadata.
+    _elements: int = -1
     # 0, PLAIN, INLINE or PRICED (see above): each class's own from ``is_async``,
     # ``inline``, ``_product_axes`` and ``_element_cost``; an instance's only while a hook
     # or stream is set.

@@ -95,6 +95,9 @@ def qualifies(node: Node, inputs: list[Tensor | None], max_elements: int, max_fl
     elif type(node) is AccumulateGrad:
         grad = inputs[0]  # (a leaf's node has one input)
         return grad is None or (grad.device.type == "cpu" and grad.data.size <= max_elements)
+    elements = node._elements  # (counted at the node's creation, or negative)
+    if elements >= 0:
+        return elements <= max_elements
     return _elementwise_fits(node, inputs, max_elements)
 
 
@@ -123,26 +126,37 @@ def _priced_qualifies(
     gradients' elements, each counted ``Node._element_cost`` times, and for a matrix
     product (``Node._product_axes``) the flops of its products (``_product_flops``) counted
     as float32 operations."""
-    size = 0
-    data = None
-    for grad in inputs:
-        if grad is not None:
-            if grad.device.type != "cpu":
-                return False
-            data = grad.data
-            size += data.size
-    grad_size = size  # (a product's node has one input: its result's gradient)
-    for next_node, input_nr in node._next_edges:
-        if next_node is not None:
-            if type(next_node) is AccumulateGrad:
-                size += next_node.variable.data.size
-            else:
-                size += math.prod(next_node._input_metadata[input_nr][0])
-    if size * node._element_cost > max_elements:
-        return False
-    if node._product_axes is None or data is None:
-        return True
-    cost = _FLOP_COST.get(data.dtype.char, _NO_BLAS_FLOP_COST)
+    size = node._elements  # (counted at the node's creation, or negative)
+    if size >= 0:
+        if size * node._element_cost > max_elements:
+            return False
+        if node._product_axes is None:
+            return True
+        # (a product's node has one output: its gradient is the one the node reads)
+        shape, dtype, _ = node._input_metadata[0]
+        grad_size = math.prod(shape)
+    else:
+        size = 0
+        data = None
+        for grad in inputs:
+            if grad is not None:
+                if grad.device.type != "cpu":
+                    return False
+                data = grad.data
+                size += data.size
+        grad_size = size  # (a product's node has one input: its result's gradient)
+        for next_node, input_nr in node._next_edges:
+            if next_node is not None:
+                if type(next_node) is AccumulateGrad:
+                    size += next_node.variable.data.size
+                else:
+                    size += math.prod(next_node._input_metadata[input_nr][0])
+        if size * node._element_cost > max_elements:
+            return False
+        if node._product_axes is None or data is None:
+            return True
+        dtype = data.dtype
+    cost = _FLOP_COST.get(dtype.char, _NO_BLAS_FLOP_COST)
     # A contracted size is at most its operand's size: this bound settles small products
     # (a small MLP's) without reading the shapes.
     if 2 * grad_size * (size - grad_size) * cost <= max_flops:
@@ -258,11 +272,6 @@ def _run_tasks(
     heap: list[tuple[int, int, NodeTask]] = []
     pushed = 0
     fast = graph_task.plain  # (set by analyse, which ran before the first node)
-    keep_graph = graph_task.keep_graph
-    lock = graph_task.lock
-    dependencies = graph_task.dependencies
-    not_ready = graph_task.not_ready
-    depth_key = graph_task.depth_key
     if _current_graph_task_get() is not graph_task:
         enter_graph_task(graph_task)
     task: NodeTask | None = first
@@ -282,6 +291,12 @@ def _run_tasks(
             pushed += 1
             heapq.heappush(heap, (-task.key, pushed, task))
             return heap
+    # (read here: a pass the schedule completes needs none of them)
+    keep_graph = graph_task.keep_graph
+    lock = graph_task.lock
+    dependencies = graph_task.dependencies
+    not_ready = graph_task.not_ready
+    depth_key = graph_task.depth_key
     while task is not None:
         node = task.node
         made: NodeTask | None = None
@@ -542,7 +557,10 @@ def _run_schedule(
             break
         plain = node._plain
         if plain == INLINE:  # (not a leaf's node: a plain leaf went on above)
-            if not _elementwise_fits(node, inputs, max_elements):
+            elements = node._elements  # (counted at the node's creation, or negative)
+            if elements > max_elements or (
+                elements < 0 and not _elementwise_fits(node, inputs, max_elements)
+            ):
                 break
         elif not (
             _priced_qualifies(node, inputs, max_elements, max_flops)

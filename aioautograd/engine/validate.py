@@ -108,7 +108,9 @@ def _conform(
             and data.shape[lead:] == shape
             and not _grad_enabled_get()
         ):
-            return wrap(device.backend.sum_to_size(data, shape), device)
+            summed = device.backend.sum_to_size(data, shape)
+            # (a sum to a shape of one or more dimensions is an array: no ``wrap``)
+            return Tensor(summed, device) if shape else wrap(summed, device)
     if not isinstance(grad, Tensor):
         raise TypeError(
             f"Function {_name(producer)} returned an invalid gradient at index {i} - expected "

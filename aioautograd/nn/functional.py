@@ -225,7 +225,9 @@ def cross_entropy(
     _check_reduction(reduction)
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
-    _check_same_device("cross_entropy", input, target, weight)
+    device = input.device
+    if target.device is not device or (weight is not None and weight.device is not device):
+        _check_same_device("cross_entropy", input, target, weight)  # (raises, saying why)
     # (the arrays' attributes: the tensors' properties are a Python call each)
     input_data, target_data = input.data, target.data
     if input_data.dtype.kind != "f":

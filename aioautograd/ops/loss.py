@@ -71,8 +71,15 @@ class CrossEntropy(Op):
                 return wrap(loss, input.device)
         xp = input.device.xp
         dim = setup.class_dim
-        shifted = input.data - input.data.max(axis=dim, keepdims=True)
-        log_probs = shifted - xp.log(xp.exp(shifted).sum(axis=dim, keepdims=True))
+        data = input.data
+        if xp is np:
+            # (the ufuncs' reductions, as ndarray.max and .sum call them, without NumPy's
+            # Python wrappers: three calls per loss)
+            shifted = data - np.maximum.reduce(data, dim, keepdims=True)
+            log_probs = shifted - np.log(np.add.reduce(np.exp(shifted), dim, keepdims=True))
+        else:
+            shifted = data - data.max(axis=dim, keepdims=True)
+            log_probs = shifted - xp.log(xp.exp(shifted).sum(axis=dim, keepdims=True))
         plain = setup.class_indices and _plain_targets(xp, log_probs, target.data, setup)
         if plain:
             # Every target a class in range, none ignored, no weight or smoothing: each
@@ -97,7 +104,7 @@ class CrossEntropy(Op):
             ctx.saved_device = input.device
         if setup.reduction == "none":
             return wrap(losses, input.device)
-        total = losses.sum()
+        total = np.add.reduce(losses, None) if xp is np else losses.sum()
         if setup.reduction == "sum" or plain:
             return wrap(total if setup.reduction == "sum" else total / denominator, input.device)
         with np.errstate(invalid="ignore", divide="ignore"):  # all targets ignored: nan

@@ -205,6 +205,22 @@ async def test_broadcast_gradients_are_reduced() -> None:
     assert_close(b.grad, np.full(4, x.data.sum()))
 
 
+async def test_a_0d_leaf_broadcast_over_a_batch_gets_a_0d_array_gradient() -> None:
+    # Summed to no dimension at all, NumPy's reduction gives a scalar: it is made an array.
+    for dtype in ("float32", "float64"):
+        x = ag.tensor(1.5, dtype=dtype, requires_grad=True)
+        w = ag.randn(4, dtype=dtype, requires_grad=True)
+        await (ag.ones(2, 4, dtype=dtype) * 2.0 + x + w).sum().backward()
+        assert x.grad is not None
+        assert type(x.grad.data) is np.ndarray
+        assert x.grad.shape == ()
+        assert x.grad.dtype == np.dtype(dtype)
+        assert x.grad.item() == 8.0
+        assert w.grad is not None
+        assert type(w.grad.data) is np.ndarray
+        assert_close(w.grad, np.full(4, 2.0))
+
+
 async def test_bias_gradients_are_summed_as_torch(torch: object) -> None:
     # A bias's gradient has leading dimensions to sum (validation's first case), with its
     # dtype right or to cast, and recorded under create_graph.

@@ -4,6 +4,8 @@ equal to the flops of the products the node runs."""
 
 from __future__ import annotations
 
+import functools
+import math
 import threading
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -14,7 +16,7 @@ import pytest
 
 import aioautograd as ag
 import aioautograd.nn.functional as F
-from aioautograd.autograd.node import PRICED, Node
+from aioautograd.autograd.node import PRICED, AccumulateGrad, Node
 from aioautograd.engine import EnginePolicy, get_default_engine
 from aioautograd.engine.inline import qualifies
 from aioautograd.engine.ready_queue import NodeTask
@@ -293,3 +295,85 @@ async def test_gradients_are_bitwise_those_of_the_executors(dtype: str, hidden: 
     for inline_grad, executor_grad in zip(*grads, strict=True):
         assert inline_grad.dtype == executor_grad.dtype
         assert np.array_equal(inline_grad, executor_grad)
+
+
+def _uncounted_verdict(task: NodeTask, max_elements: Any, max_flops: float) -> bool:
+    """The verdict with the node's count at creation set aside: read from the gradients and
+    the edges, as for a node made elsewhere than ``Function.apply``."""
+    node: Any = task.node
+    counted = node._elements
+    node._elements = -1
+    try:
+        return _verdict(task, max_elements, max_flops)
+    finally:
+        node._elements = counted
+
+
+COUNTED: dict[str, Callable[[], ag.Tensor]] = {
+    "relu": lambda: ag.randn(7, 5, requires_grad=True).relu(),
+    "add, broadcast bias": lambda: (
+        ag.randn(8, 6, requires_grad=True) + ag.randn(6, requires_grad=True)
+    ),
+    "add, one operand data": lambda: ag.randn(8, 6) + ag.randn(6, requires_grad=True),
+    "mul by a number": lambda: ag.randn(4, 3, requires_grad=True) * 2.0,
+    "chained": lambda: (ag.randn(4, 3, requires_grad=True) * 2.0).exp(),
+    "sum": lambda: ag.randn(9, 4, requires_grad=True).sum(),
+    "cross_entropy": lambda: F.cross_entropy(
+        ag.randn(8, 10, requires_grad=True), ag.tensor(np.arange(8) % 10)
+    ),
+    "split (several outputs)": lambda: ag.randn(6, 4, requires_grad=True).split(2)[1],
+    "gelu": lambda: F.gelu(ag.randn(5, 5, dtype="float64", requires_grad=True)),
+    **{f"product: {name}": functools.partial(make, "float32") for name, make in PRICEDS.items()},
+}
+
+
+@pytest.mark.parametrize("case", list(COUNTED))
+def test_the_count_made_at_creation_is_the_one_read_at_backward(case: str) -> None:
+    out = COUNTED[case]()
+    node: Any = out.grad_fn
+    assert node._elements >= 0, "a CPU node of Function.apply is counted at creation"
+    # Every gradient the node reads arrives (a split's other pieces too).
+    grads = [ag.ones(shape, dtype=dtype) for shape, dtype, _ in node._input_metadata]
+    task = NodeTask(SimpleNamespace(depth_key=0), node, grads)  # type: ignore[arg-type]
+    # The count it was given: what the gradients it reads and writes hold.
+    outputs = sum(math.prod(shape) for shape, _, device in node._input_metadata if device)
+    written = sum(
+        next_node.variable.data.size
+        if type(next_node) is AccumulateGrad
+        else math.prod(next_node._input_metadata[input_nr][0])
+        for next_node, input_nr in node.next_functions
+        if next_node is not None
+    )
+    assert node._elements == outputs + written
+    weight = node._element_cost
+    for limit in (node._elements * weight, node._elements * weight - 1):
+        for flops in (UNBOUNDED, 0, 1 << 12):
+            assert _verdict(task, limit, flops) == _uncounted_verdict(task, limit, flops), (
+                limit,
+                flops,
+            )
+
+
+def test_a_node_with_a_gradient_off_the_cpu_is_not_counted_and_stays_off_the_loop() -> None:
+    x = ag.randn(4, 3, dtype="float64", device="sim:0", requires_grad=True)
+    for out in (x.relu(), x @ ag.randn(3, 2, dtype="float64", device="sim:0")):
+        node: Any = out.grad_fn
+        assert node._elements < 0
+        task = NodeTask(SimpleNamespace(depth_key=0), node, [ag.ones_like(out)])  # type: ignore[arg-type]
+        assert not _verdict(task, UNBOUNDED, UNBOUNDED)
+    # A copy to the CPU: its gradient arrives on the CPU, the one it writes is x's.
+    copied = x.to("cpu")
+    copy_node: Any = copied.grad_fn
+    assert copy_node._elements == 2 * x.data.size
+
+
+def test_a_gradient_that_does_not_arrive_is_counted_all_the_same() -> None:
+    # The count made at creation is an upper bound: it can only keep a node off the loop.
+    pieces = ag.randn(6, 4, requires_grad=True).split(2)
+    node: Any = pieces[1].grad_fn
+    task = NodeTask(SimpleNamespace(depth_key=0), node, [None, ag.ones(2, 4), None])  # type: ignore[arg-type]
+    read_and_written = 8 + 24
+    assert node._elements == 24 + 24
+    assert _uncounted_verdict(task, read_and_written, 0)
+    assert not _verdict(task, read_and_written, 0)
+    assert _verdict(task, node._elements, 0)

@@ -280,6 +280,18 @@ def test_cross_entropy_rejects_a_target_out_of_range_without_ignored_positions(
         F.cross_entropy(x, ag.tensor(np.array(target)))
 
 
+@pytest.mark.parametrize("on_sim", ["input", "target", "weight"])
+def test_cross_entropy_names_the_devices_of_mismatched_tensors(on_sim: str) -> None:
+    tensors = {
+        "input": leaf(randn(3, 3)),
+        "target": ag.tensor([0, 2, 1]),
+        "weight": ag.tensor([0.5, 1.0, 2.0], dtype="float64"),
+    }
+    tensors[on_sim] = tensors[on_sim].to("sim:0")
+    with pytest.raises(RuntimeError, match=r"cross_entropy: expected all tensors to be on the"):
+        F.cross_entropy(tensors["input"], tensors["target"], tensors["weight"])
+
+
 def _tiny_class_case() -> tuple[ag.Tensor, ag.Tensor, ag.Tensor]:
     x = leaf(randn(3, 3))
     target = ag.tensor([0, 2, 1])
