@@ -116,6 +116,8 @@ class Node:
             cls._plain = PLAIN
 
     def __init__(self, next_edges: tuple[Edge, ...] = (), sequence_nr: int | None = None) -> None:
+        # (``function._apply_with_grad`` sets these fields itself for a Function's node, a
+        # call fewer per recorded op: keep the two in step)
         self._next_edges = next_edges
         topo = 0
         for next_node, _ in next_edges:
