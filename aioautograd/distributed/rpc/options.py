@@ -161,7 +161,9 @@ class GrpcOptions(RpcBackendOptions):
             took the step's median from 6.0-7.1 to 4.9-5.7 ms (``benchmarks/README.md``,
             issue #15, session 26). Process-wide; skipped without glibc and when the
             environment sets the thresholds itself (``MALLOC_*_`` variables,
-            ``GLIBC_TUNABLES``). See :mod:`aioautograd.devices.memory`.
+            ``GLIBC_TUNABLES``). The engine applies the same setting when its policy first
+            configures the CPU budget (``EnginePolicy.keep_freed_memory``): turn both off to
+            leave ``malloc`` alone. See :mod:`aioautograd.devices.memory`.
         same_host_channel: Two workers on the same host (the same kernel boot, mount
             namespace and user, a host id exchanged when they join; not guessed from
             addresses) send each other their calls over a Unix-domain socket instead of a
