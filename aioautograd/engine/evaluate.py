@@ -59,15 +59,19 @@ def evaluate_task(
         first = grads[0]
         if first is not None and first.device is device:
             heap = executor.heap  # ReadyQueue.top_key, inlined: an unlocked peek
-            if not heap:
+            ordered = executor.ordered
+            if not heap and not ordered:
                 return made
+            key = made.key
             try:
-                top = -(heap[0] >> TIE_BITS)
+                if (ordered and ordered[0].key > key) or (heap and -(heap[0] >> TIE_BITS) > key):
+                    ready = [made]
+                else:
+                    return made
             except IndexError:  # emptied by another thread since the test
                 return made
-            if top <= made.key:
-                return made
-        ready = [made]
+        else:
+            ready = [made]
     else:
         ready = made  # type: ignore[assignment]  # (not a NodeTask: the list)
     # Engine.dispatch for the fan's case, every successor on this device (the caller's

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import heapq
+import random
 import sys
 import types
 from typing import Any, ClassVar
@@ -193,3 +195,104 @@ async def test_two_edges_from_one_producer_sum_in_their_fixed_order(
     await asyncio.wait_for(task, 10)
     assert x.grad is not None
     np.testing.assert_array_equal(x.grad.data, np.ones(3, dtype=np.float32))
+
+
+class _HeapOnly:
+    """The queue's pop order as a plain heap of ``(-key, push count)`` (what ReadyQueue did
+    before its ordered deque): the reference its pops must match exactly."""
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[int, int, NodeTask]] = []
+        self.count = 0
+
+    def push(self, task: NodeTask) -> None:
+        heapq.heappush(self.heap, (-task.key, self.count, task))
+        self.count += 1
+
+    def push_local(self, tasks: list[NodeTask], local: NodeTask, pop: bool) -> NodeTask | None:
+        for task in tasks:
+            if task is not local:
+                self.push(task)
+        if not self.heap or -self.heap[0][0] <= local.key:
+            return local
+        self.push(local)
+        return self.pop() if pop else None
+
+    def pop(self) -> NodeTask | None:
+        return heapq.heappop(self.heap)[2] if self.heap else None
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_queue_pops_exactly_as_a_plain_heap_whatever_the_push_order(seed: int) -> None:
+    # Runs of falling keys (the deque's case), rising ones (the heap's), equal keys (FIFO
+    # across both), several depths and AccumulateGrad's key, pushes and push_local mixed.
+    rng = random.Random(seed)
+    queue, reference = ReadyQueue(), _HeapOnly()
+    keys = [rng.randrange(6) for _ in range(3)] + [sys.maxsize]
+    popped: list[NodeTask | None] = []
+    expected: list[NodeTask | None] = []
+    for _ in range(300):
+        action = rng.random()
+        if action < 0.4:
+            key = rng.choice(keys) if rng.random() < 0.3 else rng.randrange(50)
+            task = _task(key, depth=rng.choice((0, 0, 0, 1)))
+            queue.push(task, wake=False)
+            reference.push(task)
+        elif action < 0.75:
+            tasks = [_task(rng.choice(keys) if rng.random() < 0.3 else rng.randrange(50))]
+            tasks += [_task(rng.randrange(50)) for _ in range(rng.choice((0, 1, 1, 2)))]
+            local = max(tasks, key=lambda task: task.key)  # the first of the highest key
+            local = next(task for task in tasks if task.key == local.key)
+            pop = rng.random() < 0.7
+            popped.append(queue.push_local(tasks, local, pop))
+            expected.append(reference.push_local(tasks, local, pop))
+        else:
+            popped.append(queue.pop_nowait())
+            expected.append(reference.pop())
+        assert queue.top_key() == (-reference.heap[0][0] if reference.heap else None)
+        assert len(queue) == len(reference.heap)
+    while reference.heap:
+        expected.append(reference.pop())
+        popped.append(queue.pop_nowait())
+    assert queue.pop_nowait() is None
+    assert popped == expected  # the same objects, in the same order
+
+
+def test_tasks_pushed_in_falling_priority_skip_the_heap() -> None:
+    # A fan's nodes: each add's two successors rank below everything queued.
+    queue = ReadyQueue()
+    queue.push(_task(100), wake=False)
+    returned = []
+    for key in range(99, 60, -2):
+        low, high = _task(key - 1), _task(key)
+        returned.append(queue.push_local([low, high], high, pop=True).key)
+    assert returned == list(range(100, 80, -1))
+    assert queue._heap == []
+    assert _drain(queue) == list(range(80, 59, -1))
+
+
+def test_head_mark_names_the_next_task_across_the_deque_and_the_heap() -> None:
+    queue = ReadyQueue()
+    assert queue.head_mark() is None
+    queue.push(_task(5), wake=False)  # the deque
+    mark = queue.head_mark()
+    queue.push(_task(3), wake=False)  # the deque, below: the head is unchanged
+    assert queue.head_mark() == mark
+    queue.push(_task(9), wake=False)  # the heap, above: a new head
+    assert queue.head_mark() != mark
+    marks = set()
+    while (mark := queue.head_mark()) is not None:
+        assert mark not in marks
+        marks.add(mark)
+        queue.pop_nowait()
+    assert len(marks) == 3
+
+
+def test_equal_keys_pop_first_in_first_out_across_the_deque_and_the_heap() -> None:
+    queue = ReadyQueue()
+    a, b, c = _task(4), _task(7), _task(4)
+    queue.push(a, wake=False)  # the deque
+    queue.push(b, wake=False)  # the heap (above the deque's last)
+    queue.push(c, wake=False)  # the deque again? below b's key but equal to a's: after a
+    queue.push(d := _task(4), wake=False)
+    assert [queue.pop_nowait() for _ in range(4)] == [b, a, c, d]
