@@ -296,3 +296,93 @@ def test_equal_keys_pop_first_in_first_out_across_the_deque_and_the_heap() -> No
     queue.push(c, wake=False)  # the deque again? below b's key but equal to a's: after a
     queue.push(d := _task(4), wake=False)
     assert [queue.pop_nowait() for _ in range(4)] == [b, a, c, d]
+
+
+class Kept(ag.Function):
+    """``x * scale`` whose backward keeps the gradient it returns (as a user holding on to
+    it) and, when ``Kept.events`` has its key, waits for that event first (``async``)."""
+
+    kept: ClassVar[list[tuple[ag.Tensor, np.ndarray]]] = []
+    events: ClassVar[dict[int, asyncio.Event]] = {}
+
+    @staticmethod
+    def forward(ctx: Any, x: ag.Tensor, key: int, scale: float) -> ag.Tensor:
+        ctx.key, ctx.scale = key, scale
+        return x * 1
+
+    @staticmethod
+    async def backward(ctx: Any, grad: ag.Tensor) -> tuple[Any, ...]:
+        event = Kept.events.get(ctx.key)
+        if event is not None:
+            await event.wait()
+        out = grad * ctx.scale
+        Kept.kept.append((out, np.array(out.data, copy=True)))
+        return out, None, None
+
+
+def _fixed_order_sum(scales: list[float], shape: tuple[int, ...]) -> np.ndarray:
+    # Latest-created branch first, in float32.
+    terms = [np.full(shape, s, dtype=np.float32) for s in reversed(scales)]
+    return functools.reduce(np.add, terms)
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+async def test_a_fans_sum_on_the_executors_adds_in_place_into_its_own_array_only(
+    create_graph: bool,
+) -> None:
+    # 40 branches into x on the executors (no inline pass): from the third term on, the
+    # sum is added in place into the array its first sum made, never into a gradient a
+    # branch returned; under create_graph it is recorded instead.
+    Kept.kept, Kept.events = [], {}
+    engine = Engine(num_cpu_threads=1, inline_budget_s=0.0)
+    try:
+        scales = [1.0 + 1e-3 * k for k in range(40)]
+        x = ag.tensor(np.full((3,), 2.0, dtype=np.float32), requires_grad=True)
+        loss = tree_sum([Kept.apply(x, k, s) for k, s in enumerate(scales)]).sum()
+        # (a seed that requires grad: under create_graph the gradients then have a graph)
+        seed = ag.ones((), dtype="float32", requires_grad=create_graph)
+        await asyncio.wait_for(
+            engine.execute([(loss.grad_fn, 0)], [seed], False, create_graph, True), 30
+        )
+        assert len(Kept.kept) == len(scales)
+        for tensor, value in Kept.kept:
+            np.testing.assert_array_equal(tensor.data, value)
+        assert x.grad is not None
+        assert x.grad.data.tobytes() == _fixed_order_sum(scales, (3,)).tobytes()
+        assert (x.grad.grad_fn is not None) == create_graph
+        if create_graph:  # every term recorded: d(sum x.grad)/d(seed) = 3 * sum(scales)
+            (d_seed,) = await asyncio.wait_for(ag.grad(x.grad.sum(), [seed]), 30)
+            assert_close(d_seed.data, np.float32(3 * sum(scales)), rtol=1e-5, atol=0)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    "release", [(4, 3, 2, 1, 0), (4, 3, 1, 2, 0), (0, 1, 2, 3, 4), (2, 3, 4, 0, 1), (4, 2, 3, 0, 1)]
+)
+async def test_a_fans_sum_on_the_executors_holds_early_gradients_for_their_turn(
+    release: tuple[int, ...],
+) -> None:
+    # float32, summed latest first: (((1 + 1e8) - 1e8) + 1) + 1 == 2 (1 if the fourth
+    # branch's 1 came before -1e8). Gradients that arrive early are held, then added in
+    # the fixed order, also once the sum is in an array of the engine's own.
+    Kept.kept = []
+    Kept.events = {k: asyncio.Event() for k in range(5)}
+    engine = Engine(num_cpu_threads=1, inline_budget_s=0.0)
+    try:
+        scales = [1.0, 1.0, -1e8, 1e8, 1.0]
+        x = ag.ones(3, requires_grad=True)
+        loss = tree_sum([Kept.apply(x, k, s) for k, s in enumerate(scales)]).sum()
+        task = asyncio.create_task(
+            engine.execute([(loss.grad_fn, 0)], [ag.ones(())], False, False, True)
+        )
+        for k in release:
+            await asyncio.sleep(0.03)
+            Kept.events[k].set()
+        await asyncio.wait_for(task, 10)
+        assert x.grad is not None
+        np.testing.assert_array_equal(x.grad.data, np.full(3, 2.0, dtype=np.float32))
+        for tensor, value in Kept.kept:
+            np.testing.assert_array_equal(tensor.data, value)
+    finally:
+        engine.close()
