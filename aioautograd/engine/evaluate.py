@@ -59,13 +59,15 @@ def evaluate_task(
         grads = made.inputs
         first = grads[0]
         if first is not None and first.device is device:
-            heap = executor.heap  # ReadyQueue.top_key, inlined: an unlocked peek
+            # ReadyQueue.top_key, inlined: an unlocked peek (``ordered`` is empty only while
+            # the heap is)
             ordered = executor.ordered
-            if not heap and not ordered:
+            if not ordered:
                 return made
             key = made.key
+            heap = executor.heap
             try:
-                if (ordered and ordered[0].key > key) or (heap and -(heap[0] >> TIE_BITS) > key):
+                if ordered[0].key > key or (heap and -(heap[0] >> TIE_BITS) > key):
                     ready = [made]
                 else:
                     return made

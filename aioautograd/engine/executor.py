@@ -236,19 +236,18 @@ class Executor:
                     pause_at = state.pause_at
                 if budget is not None and budget.active > budget.cores:  # overdrawn
                     budget.wait_for_core()
-                if task is None and drain and (ordered or heap):
+                if task is None and drain and ordered:
                     # ReadyQueue.pop_nowait, inlined (once per node of a fan): checked again
-                    # under the queue's lock
+                    # under the queue's lock (``ordered`` is empty only while the heap is)
                     lock.acquire()
                     try:
-                        if ordered:
-                            if heap and heap[0] < ties[0] - (ordered[0].key << TIE_BITS):
-                                task = entries.pop(heappop(heap))
-                            else:
-                                ties.popleft()
-                                task = ordered.popleft()
-                        elif heap:
+                        if not ordered:
+                            pass
+                        elif heap and heap[0] < ties[0] - (ordered[0].key << TIE_BITS):
                             task = entries.pop(heappop(heap))
+                        else:
+                            ties.popleft()
+                            task = ordered.popleft()
                     finally:
                         lock.release()
         finally:

@@ -11,7 +11,10 @@ Both numbers are packed into one integer key (larger = sooner) so the heap compa
 Tasks pushed in falling priority (a wide graph walked level by level: every task a fan's
 node makes ready ranks below those already queued) skip the heap: they are appended to a
 sorted deque, popped from its left in O(1), and the queue pops whichever of the deque's and
-the heap's heads ranks higher, so the order is exactly the heap's alone.
+the heap's heads ranks higher, so the order is exactly the heap's alone. A task goes to
+the heap only while the deque holds one it ranks above (its last), so it pops before that
+one: the heap is empty whenever the deque is, and one test of the deque tells whether
+anything is queued.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ class ReadyQueue:
         # among equal keys), each with its tiebreak: a push that ranks at or below the last
         # one goes here, without the heap's sift, the entry's arithmetic or the dict. A
         # fan's nodes all take this path (about 2k instructions a node fewer, callgrind).
+        # Empty only while the heap is (see the module's docstring).
         self._ordered: deque[NodeTask] = deque()
         self._ties: deque[int] = deque()
         self._calls: deque[Any] = deque()  # offloaded calls, FIFO, after every NodeTask
@@ -131,12 +135,7 @@ class ReadyQueue:
         try:
             # Whether a queued task ranks above ``local``: a higher key (the successors rank
             # at most as high as ``local``, so this is decided before they are queued).
-            if ordered:
-                head = ordered[0]
-                higher = head.key > key or (heap and heap[0] < -(key << TIE_BITS))
-            else:
-                higher = heap and heap[0] < -(key << TIE_BITS)
-            if not higher:
+            if not ordered or not (ordered[0].key > key or (heap and heap[0] < -(key << TIE_BITS))):
                 for task in tasks:
                     if task is not local:
                         self._put(task, next(tiebreak))
@@ -147,7 +146,7 @@ class ReadyQueue:
             ties = self._ties
             if not pop:
                 first = None
-            elif ordered and not heap:  # _take, written out for a fan's node
+            elif not heap:  # _take, written out for a fan's node (``ordered`` holds one)
                 ties.popleft()
                 first = ordered.popleft()
             else:
@@ -188,15 +187,13 @@ class ReadyQueue:
     def _take(self) -> NodeTask | None:
         """(under the lock) Pop the first NodeTask: the higher of the two heads."""
         ordered = self._ordered
+        if not ordered:
+            return None
         heap = self._heap
-        if ordered:
-            if heap and heap[0] < self._ties[0] - (ordered[0].key << TIE_BITS):
-                return self._tasks.pop(_heappop(heap))
-            self._ties.popleft()
-            return ordered.popleft()
-        if heap:
+        if heap and heap[0] < self._ties[0] - (ordered[0].key << TIE_BITS):
             return self._tasks.pop(_heappop(heap))
-        return None
+        self._ties.popleft()
+        return ordered.popleft()
 
     def push_call(self, call: Any) -> None:
         """Queue an offloaded call (``Engine.offload``): it runs when no NodeTask waits.
@@ -217,14 +214,13 @@ class ReadyQueue:
         With ``stop`` (a thread driving a nested graph task), only NodeTasks are returned:
         a thread waiting for its own backward pass must not start an offloaded call.
         """
-        heap = self._heap
         ordered = self._ordered
         calls = self._calls
         lock = self._lock
         channel = _waiter.channel
         while True:
             with lock:
-                if heap or ordered:
+                if ordered:
                     return self._take()
                 if stop is None:
                     if calls:
@@ -236,7 +232,7 @@ class ReadyQueue:
 
     def pop_nowait(self) -> NodeTask | None:
         """The next NodeTask if one is queued, else ``None`` (never an offloaded call)."""
-        if not self._heap and not self._ordered:  # an unlocked peek: checked again
+        if not self._ordered:  # an unlocked peek: a hint, checked again under the lock
             return None
         lock = self._lock
         lock.acquire()
@@ -247,16 +243,14 @@ class ReadyQueue:
 
     def top_key(self) -> int | None:
         """The key of the next task to pop, or ``None`` (an unlocked peek: a hint only)."""
-        heap = self._heap
         ordered = self._ordered
-        if not heap and not ordered:  # the common case, without raising
+        if not ordered:  # the common case, without raising
             return None
+        heap = self._heap
         try:
-            top = ordered[0].key if ordered else None
+            top: int = ordered[0].key
             if heap:
-                first = -(heap[0] >> TIE_BITS)
-                if top is None or first > top:
-                    top = first
+                top = max(top, -(heap[0] >> TIE_BITS))
         except IndexError:  # emptied by another thread since the test
             return None
         return top
@@ -270,8 +264,6 @@ class ReadyQueue:
             if ordered:  # the first task's entry (unique while queued: its tiebreak)
                 entry = self._ties[0] - (ordered[0].key << TIE_BITS)
                 return min(entry, heap[0]) if heap else entry
-            if heap:
-                return heap[0]
         except IndexError:  # changed by another thread since the test
             return None
         calls = self._calls

@@ -250,6 +250,7 @@ def test_the_queue_pops_exactly_as_a_plain_heap_whatever_the_push_order(seed: in
             popped.append(queue.pop_nowait())
             expected.append(reference.pop())
         assert queue.top_key() == (-reference.heap[0][0] if reference.heap else None)
+        assert queue._ordered or not queue._heap  # one test of the deque tells it all
         assert len(queue) == len(reference.heap)
     while reference.heap:
         expected.append(reference.pop())
