@@ -26,6 +26,7 @@ from aioautograd.engine.graph_task import GraphTask, current_graph_task, enter_g
 from aioautograd.engine.input_buffer import accumulate, slot_orders
 from aioautograd.engine.ready_queue import TIE_BITS, NodeTask
 from aioautograd.engine.validate import _conform, validate_outputs, validated
+from aioautograd.grad_mode import _grad_enabled_get
 from aioautograd.tensor import Tensor
 
 if TYPE_CHECKING:
@@ -58,16 +59,22 @@ def evaluate_task(
         grads = made.inputs
         first = grads[0]
         if first is not None and first.device is device:
-            heap = executor.heap  # ReadyQueue.top_key, inlined: an unlocked peek
-            if not heap:
+            # ReadyQueue.top_key, inlined: an unlocked peek (``ordered`` is empty only while
+            # the heap is)
+            ordered = executor.ordered
+            if not ordered:
                 return made
+            key = made.key
+            heap = executor.heap
             try:
-                top = -(heap[0] >> TIE_BITS)
+                if ordered[0].key > key or (heap and -(heap[0] >> TIE_BITS) > key):
+                    ready = [made]
+                else:
+                    return made
             except IndexError:  # emptied by another thread since the test
                 return made
-            if top <= made.key:
-                return made
-        ready = [made]
+        else:
+            ready = [made]
     else:
         ready = made  # type: ignore[assignment]  # (not a NodeTask: the list)
     # Engine.dispatch for the fan's case, every successor on this device (the caller's
@@ -384,6 +391,23 @@ def _make_ready(
                 order = orders[input_nr] if orders is not None else None
                 if order is None:
                     accumulate(buffer, input_nr, grad, producer, next_node._stream)
+                elif (
+                    order.owned
+                    and not order.held
+                    and order.outputs is None
+                    and grad is not None
+                    and producer is None
+                    and (k := order.next) < len(expected := order.expected)
+                    and expected[k] is node
+                    and next_node._stream is None
+                    and not _grad_enabled_get()
+                ):
+                    # SlotOrder.add's in-place sum on CPU, written out (every branch of a
+                    # fan but the first two: ~370 instructions per fan node fewer)
+                    old = buffer[input_nr]
+                    data = old.data  # type: ignore[union-attr]  # (owned: a sum is there)
+                    old.device.xp.add(data, grad.data, data)  # type: ignore[union-attr]
+                    order.next = k + 1
                 else:
                     order.add(buffer, input_nr, node, i, grad, producer, next_node._stream)
         if made is None:  # this task ends, none starts

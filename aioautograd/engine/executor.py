@@ -34,7 +34,7 @@ from aioautograd.devices.gil_waiters import (
 )
 from aioautograd.devices.thread_slice import drop_inherited_slice
 from aioautograd.engine.policy import NUMPY_ERRORS, RESTED_S, SLEPT_FRACTION_OF_HOLD
-from aioautograd.engine.ready_queue import ReadyQueue
+from aioautograd.engine.ready_queue import TIE_BITS, ReadyQueue
 from aioautograd.engine.watchdog import watch
 
 if TYPE_CHECKING:
@@ -71,9 +71,11 @@ class Executor:
         self.device = device
         self.num_threads = num_threads
         self.queue = ReadyQueue()
-        # The queue's heap, for the unlocked peek of evaluate_task (a method call per node
-        # of a chain cost more than the peek itself).
+        # The queue's heap and ordered deque, for the unlocked peek of evaluate_task (a
+        # method call per node of a chain cost more than the peek itself) and run's pop.
         self.heap = self.queue._heap
+        self.ordered = self.queue._ordered
+        self._ties = self.queue._ties
         self._entries = self.queue._tasks
         self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
@@ -209,6 +211,8 @@ class Executor:
         evaluate_task = _evaluate_task or _load_evaluate_task()
         engine = self.engine
         heap = self.heap
+        ordered = self.ordered
+        ties = self._ties
         lock = self.queue._lock
         entries = self._entries
         heappop = heapq.heappop
@@ -232,13 +236,18 @@ class Executor:
                     pause_at = state.pause_at
                 if budget is not None and budget.active > budget.cores:  # overdrawn
                     budget.wait_for_core()
-                if task is None and drain and heap:
+                if task is None and drain and ordered:
                     # ReadyQueue.pop_nowait, inlined (once per node of a fan): checked again
-                    # under the queue's lock
+                    # under the queue's lock (``ordered`` is empty only while the heap is)
                     lock.acquire()
                     try:
-                        if heap:
+                        if not ordered:
+                            pass
+                        elif heap and heap[0] < ties[0] - (ordered[0].key << TIE_BITS):
                             task = entries.pop(heappop(heap))
+                        else:
+                            ties.popleft()
+                            task = ordered.popleft()
                     finally:
                         lock.release()
         finally:
