@@ -71,6 +71,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         "pip install 'aioautograd[distributed]'"
     ) from exc
 
+from aioautograd.devices.memory import keep_freed_memory
 from aioautograd.distributed.rpc import awake, wire
 from aioautograd.distributed.rpc.agent import RpcAgent, _Outgoing, call_timeout_error
 from aioautograd.distributed.rpc.backends import grpc_local
@@ -84,7 +85,6 @@ from aioautograd.distributed.rpc.errors import (
     WorkerUnavailableError,
 )
 from aioautograd.distributed.rpc.futures import RpcFuture
-from aioautograd.devices.memory import keep_freed_memory
 from aioautograd.distributed.rpc.options import GrpcOptions
 from aioautograd.distributed.rpc.worker import WorkerInfo
 
