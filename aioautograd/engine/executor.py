@@ -241,13 +241,12 @@ class Executor:
                     # under the queue's lock (``ordered`` is empty only while the heap is)
                     lock.acquire()
                     try:
-                        if not ordered:
-                            pass
-                        elif heap and heap[0] < ties[0] - (ordered[0].key << TIE_BITS):
-                            task = entries.pop(heappop(heap))
-                        else:
-                            ties.popleft()
-                            task = ordered.popleft()
+                        if ordered:  # (ReadyQueue._take)
+                            if heap and heap[0] < ties[0] - (ordered[0].key << TIE_BITS):
+                                task = entries.pop(heappop(heap))
+                            else:
+                                ties.popleft()
+                                task = ordered.popleft()
                     finally:
                         lock.release()
         finally:
