@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from aioautograd.distributed.rpc.backends.grpc_local import (
     LocalCall,
     hello_frame,
     host_id,
+    sweep_stale_directories,
 )
 from aioautograd.distributed.rpc.backends.grpc_stream import (
     CANCEL,
@@ -423,3 +425,93 @@ async def _test_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
         assert await world.close() == {"worker1": 0}
     finally:
         world.kill_all()
+
+
+def _socket_directory(base: Path, name: str, *, listening: bool, age_s: float = 3600) -> Any:
+    """A worker's socket directory; a socket that does not listen is a killed worker's."""
+    directory = base / f"aioautograd-rpc-{name}"
+    directory.mkdir(mode=0o700)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(directory / "channel.sock"))
+    if listening:
+        server.listen()
+    else:
+        server.close()
+    old = directory.stat().st_mtime - age_s
+    os.utime(directory, (old, old))
+    return server, directory
+
+
+@pytest.mark.parametrize("listed", [True, False], ids=["proc-net-unix", "connect-probe"])
+def test_stale_socket_directories_are_swept_and_nothing_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, listed: bool
+) -> None:
+    from aioautograd.distributed.rpc.backends import grpc_local
+
+    if not listed:  # a platform without /proc/net/unix, or a socket in another namespace
+        monkeypatch.setattr(grpc_local, "_bound_unix_paths", lambda: None)
+    live, live_dir = _socket_directory(tmp_path, "live", listening=True)
+    _, stale_dir = _socket_directory(tmp_path, "stale", listening=False)
+    _, young_dir = _socket_directory(tmp_path, "young", listening=False, age_s=0)
+    _, crowded_dir = _socket_directory(tmp_path, "crowded", listening=False)
+    (crowded_dir / "notes.txt").write_text("not ours to delete")
+    empty_dir = tmp_path / "aioautograd-rpc-empty"
+    empty_dir.mkdir()
+    os.utime(empty_dir, (0, 0))
+    not_a_socket = tmp_path / "aioautograd-rpc-file"
+    not_a_socket.mkdir()
+    (not_a_socket / "channel.sock").write_text("a regular file")
+    os.utime(not_a_socket, (0, 0))
+    other = tmp_path / "other-stale"
+    other.mkdir()
+    os.utime(other, (0, 0))
+    link = tmp_path / "aioautograd-rpc-link"
+    link.symlink_to(stale_dir)
+    try:
+        assert sweep_stale_directories(str(tmp_path)) == 2
+        assert not stale_dir.exists()
+        assert not empty_dir.exists()
+        for kept in (live_dir, young_dir, crowded_dir, not_a_socket, other):
+            assert kept.is_dir(), kept
+        assert (live_dir / "channel.sock").exists()
+        assert link.is_symlink()
+        # The live socket still accepts connections after the sweep.
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.connect(str(live_dir / "channel.sock"))
+        client.close()
+        assert sweep_stale_directories(str(tmp_path)) == 0
+        assert sweep_stale_directories(str(tmp_path / "missing")) == 0
+    finally:
+        live.close()
+
+
+async def test_a_killed_workers_socket_directory_is_swept_by_the_next_world(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await in_fresh_context(lambda: _test_killed_worker_sweep(tmp_path, monkeypatch))
+
+
+async def _test_killed_worker_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runtime, first, second = tmp_path / "run", tmp_path / "first", tmp_path / "second"
+    for directory in (runtime, first, second):
+        directory.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))  # the workers inherit it
+    world = await start_world("grpc", first, n_workers=1)
+    try:
+        assert _path(world, "worker1").startswith(str(runtime))
+        world.procs["worker1"].kill()
+        world.procs["worker1"].wait()
+    finally:
+        world.kill_all()
+        await world.close(graceful=False)
+    left = [entry for entry in runtime.iterdir() if entry.name.startswith("aioautograd-rpc-")]
+    assert len(left) == 1  # the killed worker's; the driver removed its own at shutdown
+    os.utime(left[0], (0, 0))  # older than a worker that is still starting could be
+    world = await start_world("grpc", second, n_workers=1)
+    try:
+        assert not left[0].exists()
+        assert await rpc.rpc_async("worker1", remote_fns.add, args=(2, 3)) == 5
+        assert await world.close() == {"worker1": 0}
+    finally:
+        world.kill_all()
+    assert [entry for entry in runtime.iterdir() if entry.name.startswith("aioautograd-")] == []

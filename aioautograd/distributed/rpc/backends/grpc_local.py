@@ -22,7 +22,9 @@ What the gRPC path promises holds here:
 - The socket lives in a private directory (mode 0700) of the worker's user; the callee
   also checks the caller's user (``SO_PEERCRED``). Its credentials (the token, the worker
   name it is bound to with ``identity="token"``) come in the first frame, of at most
-  4 KiB, within 10 s; until they are checked, no other frame is read.
+  4 KiB, within 10 s; until they are checked, no other frame is read. A worker killed
+  before ``shutdown`` leaves its directory behind; the next worker of the user on the host
+  removes those whose socket nobody listens on (:func:`sweep_stale_directories`).
 - Each frame's declared length is checked against ``max_message_size`` before its body is
   read (a larger one refuses the channel with ``RESOURCE_EXHAUSTED``).
 - Calls served and responses waiting are bounded by :class:`~.grpc_stream.IncomingStream`
@@ -41,12 +43,15 @@ import asyncio
 import collections
 import contextlib
 import contextvars
+import errno
 import hashlib
 import os
 import shutil
 import socket
+import stat
 import struct
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -532,12 +537,81 @@ class LocalContext:
         return {}  # no certificate names: identity="tls" keeps the channel off
 
 
-def _private_directory() -> str:
-    # Under the user's runtime directory where there is one; mkdtemp makes it mode 0700.
+_PREFIX = "aioautograd-rpc-"
+_SOCKET_NAME = "channel.sock"
+STALE_AFTER_S = 60.0  # a directory younger than this may belong to a worker still starting
+
+
+def _socket_base() -> str:
+    # The user's runtime directory where there is one, else the temporary directory.
     base = os.environ.get("XDG_RUNTIME_DIR")
     if not base or not os.path.isdir(base):
-        base = None
-    return tempfile.mkdtemp(prefix="aioautograd-rpc-", dir=base)
+        base = tempfile.gettempdir()
+    return base
+
+
+def _private_directory() -> str:
+    return tempfile.mkdtemp(prefix=_PREFIX, dir=_socket_base())  # mode 0700
+
+
+def _bound_unix_paths() -> set[str] | None:
+    """The paths of the Unix sockets bound in this network namespace (Linux), else None."""
+    try:
+        with open("/proc/net/unix", encoding="utf-8", errors="replace") as table:
+            next(table, None)
+            return {fields[7] for line in table if len(fields := line.split()) > 7}
+    except OSError:
+        return None
+
+
+def _nobody_listens(path: str, bound: set[str] | None) -> bool:
+    if bound is not None and path in bound:
+        return False
+    # Confirmed by connecting: a socket bound in another network namespace is not listed.
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.setblocking(False)
+    try:
+        error = probe.connect_ex(path)
+    finally:
+        probe.close()
+    return error in (errno.ECONNREFUSED, errno.ENOENT)
+
+
+def sweep_stale_directories(base: str | None = None, *, min_age_s: float = STALE_AFTER_S) -> int:
+    """Remove the socket directories that workers killed before ``shutdown`` left behind.
+
+    A directory qualifies when it carries this module's prefix, belongs to this user, is
+    older than ``min_age_s``, holds nothing but its socket (or nothing), and no process
+    listens on that socket any more. Anything else is left alone. Returns how many went.
+    """
+    base = _socket_base() if base is None else base
+    try:
+        entries = [entry for entry in os.scandir(base) if entry.name.startswith(_PREFIX)]
+    except OSError:
+        return 0
+    if not entries:
+        return 0
+    uid, now, removed = os.getuid(), time.time(), 0
+    bound = _bound_unix_paths()
+    for entry in entries:
+        try:
+            info = entry.stat(follow_symlinks=False)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid:
+                continue
+            if now - info.st_mtime < min_age_s:
+                continue
+            if os.listdir(entry.path) not in ([], [_SOCKET_NAME]):
+                continue
+            path = os.path.join(entry.path, _SOCKET_NAME)
+            if os.path.lexists(path):
+                if not stat.S_ISSOCK(os.lstat(path).st_mode) or not _nobody_listens(path, bound):
+                    continue
+                os.unlink(path)
+            os.rmdir(entry.path)
+            removed += 1
+        except OSError:
+            continue  # raced with its owner or another sweep: leave it
+    return removed
 
 
 def hello_frame(metadata: tuple[tuple[str, str], ...]) -> bytes:
@@ -563,8 +637,10 @@ class LocalServer:
         Raises:
             OSError: no socket here (e.g. a path over the platform's length limit).
         """
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(sweep_stale_directories)
         self._directory = _private_directory()
-        path = os.path.join(self._directory, "channel.sock")
+        path = os.path.join(self._directory, _SOCKET_NAME)
         loop = asyncio.get_running_loop()
         try:
             self._server = await loop.create_unix_server(self._accept, path)
