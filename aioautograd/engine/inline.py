@@ -113,7 +113,7 @@ def _elementwise_fits(node: Node, inputs: list[Tensor | None], max_elements: int
     for next_node, input_nr in node._next_edges:
         if next_node is not None:
             if type(next_node) is AccumulateGrad:  # its metadata is the leaf's
-                size += next_node.variable.data.size
+                size += next_node._ref().data.size
             else:
                 size += math.prod(next_node._input_metadata[input_nr][0])
     return size <= max_elements
@@ -148,7 +148,7 @@ def _priced_qualifies(
         for next_node, input_nr in node._next_edges:
             if next_node is not None:
                 if type(next_node) is AccumulateGrad:
-                    size += next_node.variable.data.size
+                    size += next_node._ref().data.size
                 else:
                     size += math.prod(next_node._input_metadata[input_nr][0])
         if size * node._element_cost > max_elements:
@@ -185,7 +185,7 @@ def _product_flops(node: Node, grad_size: int) -> int:
         if next_node is None or axis is None:
             continue  # no gradient wanted, or not a product (a bias's sum)
         if type(next_node) is AccumulateGrad:
-            shape = next_node.variable.data.shape
+            shape = next_node._ref().data.shape
         else:
             shape = next_node._input_metadata[input_nr][0]
         if shape:
