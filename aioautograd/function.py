@@ -82,14 +82,15 @@ class BackwardCFunction(Node, FunctionCtx):
     # gradients the node reads (its tensor outputs') and writes (its inputs' that require
     # grad), negative when an output is not on the CPU. A gradient that does not arrive
     # (None) is counted all the same: an upper bound.
-    __slots__ = ("_elements",)
+    __slots__ = ("_elements", "_leaves")
 
     _forward_cls: ClassVar[type[Function]]
     _saved: tuple[SavedTensor | None, ...] | None = ()
     _released: bool = False
-    # The leaves its edges lead to: their accumulators may hold them only weakly (see
-    # AccumulateGrad), and a graph keeps its leaves alive.
-    _leaves: list[Tensor] | None = None
+    # The leaves its edges lead to (a leaf, or nested pairs of them), set only on a node
+    # that has such edges and never read: their accumulators may hold them only weakly
+    # (see AccumulateGrad), and a graph keeps its leaves alive.
+    _leaves: Any
 
     @property
     def saved_tensors(self) -> tuple[Tensor | None, ...]:
@@ -432,7 +433,7 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
     plain_input = False  # a tensor argument that does not require grad
     topo = 0  # (Node.__init__'s topological_nr, found in this loop)
     elements = 0  # of the gradients the node writes and reads (BackwardCFunction._elements)
-    leaves: list[Tensor] | None = None  # the leaves that get an edge
+    leaves: Any = None  # the leaves that get an edge (BackwardCFunction._leaves)
     for arg in args:
         if isinstance(arg, Tensor):
             if arg._requires_grad:
@@ -448,7 +449,7 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
                         acc = arg._owned_grad_accumulator()
                     edges.append((acc, 0))
                     # The node holds the leaf: an owned accumulator holds it weakly.
-                    leaves = [arg] if leaves is None else [*leaves, arg]
+                    leaves = arg if leaves is None else (leaves, arg)
                     if not topo:
                         topo = 1  # (an accumulator's topological_nr is 0)
                 needs.append(True)

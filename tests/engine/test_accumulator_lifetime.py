@@ -200,3 +200,27 @@ async def test_concurrent_backward_passes_accumulate_into_one_leaf() -> None:
     losses = [(w * float(k)).sum() for k in range(1, 9)]
     await asyncio.gather(*(loss.backward() for loss in losses))
     np.testing.assert_array_equal(w.grad.data, np.full(4, 36.0))
+
+
+async def test_a_node_keeps_every_leaf_it_has_an_edge_to(no_gc: None) -> None:
+    class Sum3(ag.Function):
+        @staticmethod
+        def forward(ctx: Any, a: ag.Tensor, b: ag.Tensor, c: ag.Tensor) -> ag.Tensor:
+            return a + b + c
+
+        @staticmethod
+        def backward(ctx: Any, grad: ag.Tensor) -> tuple[ag.Tensor, ag.Tensor, ag.Tensor]:
+            return grad, grad * 2.0, grad * 3.0
+
+    a, b, c = (ag.tensor(np.ones(2), requires_grad=True) for _ in range(3))
+    loss = Sum3.apply(a, b, c).sum()
+    refs = [weakref.ref(t) for t in (a, b, c)]
+    del a, b, c
+    assert all(ref() is not None for ref in refs)
+    await loss.backward()
+    for ref, factor in zip(refs, (1.0, 2.0, 3.0), strict=True):
+        leaf = ref()
+        assert leaf is not None
+        np.testing.assert_array_equal(leaf.grad.data, [factor, factor])
+    del leaf, loss
+    assert all(ref() is None for ref in refs)
