@@ -338,7 +338,7 @@ class AccumulateGrad(Node):
     @property
     def _input_metadata(self) -> list[InputMetadata]:
         # Read live: users may rebind ``leaf.data``.
-        variable = self.variable
+        variable = self._ref()  # (the property, without its call)
         return [(variable.data.shape, variable.data.dtype, variable.device)]
 
     @_input_metadata.setter
@@ -349,7 +349,7 @@ class AccumulateGrad(Node):
     def _tensor_pre_hooks(self) -> dict[int, HookDict] | None:
         # The leaf's hooks (``Tensor.register_hook``), read live; None while it has none, so
         # that the engine's hot path takes the node (as any node without hooks).
-        hooks = self.variable._backward_hooks
+        hooks = self._ref()._backward_hooks
         return {0: hooks} if hooks else None
 
     @_tensor_pre_hooks.setter
@@ -357,7 +357,7 @@ class AccumulateGrad(Node):
         pass  # derived from the variable (nothing to store)
 
     def _hooked(self) -> bool:
-        variable = self.variable
+        variable = self._ref()
         return bool(
             self._pre_hooks
             or self._post_hooks
