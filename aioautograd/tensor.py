@@ -515,6 +515,17 @@ class Tensor:
             extras.append("requires_grad=True")
         return "tensor(" + ", ".join([body, *extras]) + ")"
 
+    def __copy__(self) -> Tensor:
+        """``copy.copy``: a tensor with this one's fields (data, ``.grad``, hooks...), as the
+        default copy takes them, but without its gradient accumulator: a leaf's is its own
+        (this one's may be owned by it and point at it: the copy's gradients would land in
+        this tensor's ``.grad``)."""
+        out = Tensor.__new__(type(self))
+        for name in _COPIED_SLOTS:
+            setattr(out, name, getattr(self, name))
+        out._grad_accumulator = None
+        return out
+
     def __deepcopy__(self, memo: dict[builtins.int, Any]) -> Tensor:
         # A fresh leaf: copying the slots would share the gradient accumulator and hooks.
         if self.grad_fn is not None:
@@ -871,6 +882,10 @@ class Tensor:
 
 
 _ndarray = np.ndarray
+
+
+# The fields ``Tensor.__copy__`` copies (every one ``__init__`` sets).
+_COPIED_SLOTS = tuple(name for name in Tensor.__slots__ if name != "__weakref__")
 
 
 def wrap(result: Any, device: Device) -> Tensor:

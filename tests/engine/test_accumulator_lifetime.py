@@ -9,6 +9,7 @@ garbage collector)."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import gc
 import threading
 import weakref
@@ -224,3 +225,21 @@ async def test_a_node_keeps_every_leaf_it_has_an_edge_to(no_gc: None) -> None:
         np.testing.assert_array_equal(leaf.grad.data, [factor, factor])
     del leaf, loss
     assert all(ref() is None for ref in refs)
+
+
+async def test_a_shallow_copy_of_a_leaf_gets_its_own_node() -> None:
+    w = ag.tensor(np.arange(3.0), requires_grad=True)
+    await (w * 2.0).sum().backward()  # w owns its node now
+    c = copy.copy(w)
+    assert c.data is w.data
+    assert c.grad is w.grad  # the fields, as the default copy takes them
+    c.grad = None
+    await (c * 5.0).sum().backward()
+    np.testing.assert_array_equal(c.grad.data, [5.0, 5.0, 5.0])
+    np.testing.assert_array_equal(w.grad.data, [2.0, 2.0, 2.0])  # untouched
+    p = ag.nn.Parameter(ag.tensor(np.ones(2)))
+    q = copy.copy(p)
+    assert type(q) is ag.nn.Parameter
+    assert q.requires_grad
+    assert q.data is p.data
+    assert q is not p
