@@ -267,6 +267,10 @@ class Tensor:
         """This leaf's node for an edge of a ``Function``'s node, which also holds the leaf
         (``function._apply_with_grad``): a CPU leaf's is owned by the leaf and serves every
         forward pass (see ``AccumulateGrad``); the caller has found none owned."""
+        ref = self._grad_accumulator
+        found = ref() if ref is not None else None  # (an exposed one, alive: no lock)
+        if found is not None:
+            return found  # type: ignore[no-any-return]
         with accumulator_lock:
             acc = self._grad_accumulator
             if type(acc) is AccumulateGrad:
