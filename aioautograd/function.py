@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal
 
 from aioautograd.anomaly_mode import _anomaly, current_node
-from aioautograd.autograd.node import Edge, Error, Grads, Node, _sequence_nr
+from aioautograd.autograd.node import AccumulateGrad, Edge, Error, Grads, Node, _sequence_nr
 from aioautograd.autograd.saved import (
     HookedSavedTensor,
     SavedTensor,
@@ -82,11 +82,15 @@ class BackwardCFunction(Node, FunctionCtx):
     # gradients the node reads (its tensor outputs') and writes (its inputs' that require
     # grad), negative when an output is not on the CPU. A gradient that does not arrive
     # (None) is counted all the same: an upper bound.
-    __slots__ = ("_elements",)
+    __slots__ = ("_elements", "_leaves")
 
     _forward_cls: ClassVar[type[Function]]
     _saved: tuple[SavedTensor | None, ...] | None = ()
     _released: bool = False
+    # The leaves its edges lead to (a leaf, or nested pairs of them), set only on a node
+    # that has such edges and never read: their accumulators may hold them only weakly
+    # (see AccumulateGrad), and a graph keeps its leaves alive.
+    _leaves: Any
 
     @property
     def saved_tensors(self) -> tuple[Tensor | None, ...]:
@@ -429,6 +433,7 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
     plain_input = False  # a tensor argument that does not require grad
     topo = 0  # (Node.__init__'s topological_nr, found in this loop)
     elements = 0  # of the gradients the node writes and reads (BackwardCFunction._elements)
+    leaves: Any = None  # the leaves that get an edge (BackwardCFunction._leaves)
     for arg in args:
         if isinstance(arg, Tensor):
             if arg._requires_grad:
@@ -439,7 +444,12 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
                     if grad_fn.topological_nr >= topo:
                         topo = grad_fn.topological_nr + 1
                 else:
-                    edges.append((arg._get_grad_accumulator(), 0))
+                    acc = arg._grad_accumulator  # (owned by the leaf: see AccumulateGrad)
+                    if type(acc) is not AccumulateGrad:
+                        acc = arg._owned_grad_accumulator()
+                    edges.append((acc, 0))
+                    # The node holds the leaf: an owned accumulator holds it weakly.
+                    leaves = arg if leaves is None else (leaves, arg)
                     if not topo:
                         topo = 1  # (an accumulator's topological_nr is 0)
                 needs.append(True)
@@ -469,6 +479,8 @@ def _apply_with_grad(cls: type[Function], args: tuple[Any, ...], kwargs: dict[st
     node._input_metadata = []
     node._lock = _new_lock()
     node.needs_input_grad = tuple(needs)
+    if leaves is not None:
+        node._leaves = leaves
 
     token = _grad_enabled_set(False)
     try:

@@ -6,7 +6,6 @@ The operators below are thin: each calls a `Function` in `aioautograd.ops`.
 from __future__ import annotations
 
 import builtins
-import threading
 import warnings
 import weakref
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -30,9 +29,6 @@ class VersionCounter:
 
     def __init__(self) -> None:
         self.value = 0
-
-
-_accumulator_lock = threading.Lock()
 
 
 def _dtype(dtype: DTypeLike) -> np.dtype[Any] | None:
@@ -252,18 +248,51 @@ class Tensor:
         return self._get_grad_accumulator(), 0
 
     def _get_grad_accumulator(self) -> AccumulateGrad:
-        # The leaf holds its accumulator weakly (as PyTorch does); the graph holds it strongly.
-        ref = self._grad_accumulator
-        acc: AccumulateGrad | None = ref() if ref is not None else None
-        if acc is not None:
-            return acc
-        with _accumulator_lock:
-            ref = self._grad_accumulator
-            acc = ref() if ref is not None else None
-            if acc is None:
-                acc = AccumulateGrad(self)
-                self._grad_accumulator = weakref.ref(acc)
+        """This leaf's node, exposed (see ``AccumulateGrad``): for edges the user, a root or
+        a ``grad()`` input may reach. The leaf holds it weakly, as PyTorch does."""
+        acc = self._grad_accumulator
+        if type(acc) is not AccumulateGrad:
+            with accumulator_lock:
+                acc = self._grad_accumulator
+                if type(acc) is not AccumulateGrad:
+                    found: AccumulateGrad | None = acc() if acc is not None else None
+                    if found is None:
+                        found = AccumulateGrad(self)
+                        self._grad_accumulator = weakref.ref(found)
+                    return found
+        acc._expose()  # (an owned one: outside the lock, which it takes)
         return acc
+
+    def _owned_grad_accumulator(self) -> AccumulateGrad:
+        """This leaf's node for an edge of a ``Function``'s node, which also holds the leaf
+        (``function._apply_with_grad``): a CPU leaf's is owned by the leaf and serves every
+        forward pass (see ``AccumulateGrad``); the caller has found none owned."""
+        ref = self._grad_accumulator
+        found = ref() if ref is not None else None  # (an exposed one, alive: no lock)
+        if found is not None:
+            return found  # type: ignore[no-any-return]
+        with accumulator_lock:
+            acc = self._grad_accumulator
+            if type(acc) is AccumulateGrad:
+                return acc
+            found = acc() if acc is not None else None
+            if found is not None:
+                return found  # type: ignore[no-any-return]
+            if self.device.backend.has_streams:
+                # Its stream is the one current when it is made: one per graph, as before.
+                made = AccumulateGrad(self)
+                self._grad_accumulator = weakref.ref(made)
+            else:
+                made = self._grad_accumulator = AccumulateGrad(self, owned=True)
+            return made
+
+    def _accumulator(self) -> AccumulateGrad | None:
+        """This leaf's node if it has one now (owned, or alive behind the weak reference)."""
+        acc = self._grad_accumulator
+        if acc is None or type(acc) is AccumulateGrad:
+            return acc
+        found: AccumulateGrad | None = acc()
+        return found
 
     def detach(self) -> Tensor:
         """A new tensor sharing this tensor's data (and version counter), without history."""
@@ -326,16 +355,14 @@ class Tensor:
         """(``HookDict``'s owner) A hook is being registered on this leaf: its node, if it
         exists, leaves the engine's fast path (a new one reads the leaf's hooks as it is
         made)."""
-        ref = self._grad_accumulator
-        acc = ref() if ref is not None else None
+        acc = self._accumulator()
         if acc is not None:
             acc._plain = 0
 
     def _refresh_plain(self) -> None:
         """(``HookDict``'s owner) A hook of this leaf was removed: its node may take the
         engine's fast path again."""
-        ref = self._grad_accumulator
-        acc = ref() if ref is not None else None
+        acc = self._accumulator()
         if acc is not None:
             acc._refresh_plain()
 
@@ -491,6 +518,17 @@ class Tensor:
         elif self._requires_grad:
             extras.append("requires_grad=True")
         return "tensor(" + ", ".join([body, *extras]) + ")"
+
+    def __copy__(self) -> Tensor:
+        """``copy.copy``: a tensor with this one's fields (data, ``.grad``, hooks...), as the
+        default copy takes them, but without its gradient accumulator: a leaf's is its own
+        (this one's may be owned by it and point at it: the copy's gradients would land in
+        this tensor's ``.grad``)."""
+        out = Tensor.__new__(type(self))
+        for name in _COPIED_SLOTS:
+            setattr(out, name, getattr(self, name))
+        out._grad_accumulator = None
+        return out
 
     def __deepcopy__(self, memo: dict[builtins.int, Any]) -> Tensor:
         # A fresh leaf: copying the slots would share the gradient accumulator and hooks.
@@ -850,6 +888,10 @@ class Tensor:
 _ndarray = np.ndarray
 
 
+# The fields ``Tensor.__copy__`` copies (every one ``__init__`` sets).
+_COPIED_SLOTS = tuple(name for name in Tensor.__slots__ if name != "__weakref__")
+
+
 def wrap(result: Any, device: Device) -> Tensor:
     """A tensor holding ``result``; NumPy returns scalars for 0-d results, make them arrays."""
     if type(result) is not _ndarray and device.xp is np:
@@ -910,7 +952,7 @@ def _check_grad_assignment(tensor: Tensor, grad: Any) -> None:
 # These modules import Tensor; import them after the class exists (at module level: an
 # import statement inside a method costs ~8k instructions per call).
 from aioautograd.autograd.hooks import HookDict, RemovableHandle  # noqa: E402
-from aioautograd.autograd.node import AccumulateGrad  # noqa: E402
+from aioautograd.autograd.node import AccumulateGrad, accumulator_lock  # noqa: E402
 from aioautograd.autograd.unawaited import _pending, check_awaited, track  # noqa: E402
 from aioautograd.ops import (  # noqa: E402
     arithmetic,

@@ -31,6 +31,8 @@ Grads = list["Tensor | None"]
 _sequence_nr = itertools.count()
 # AccumulateGrad runs as soon as it is ready (PyTorch gives it UINT64_MAX).
 _ACCUMULATE_SEQUENCE_NR = sys.maxsize
+# Guards a leaf's ``_grad_accumulator`` while it is made or changes hands (tensor.py).
+accumulator_lock = threading.Lock()
 
 
 # ``Node._plain``: 0, PLAIN, INLINE or PRICED. PLAIN: no hook of any kind (node pre- and
@@ -137,7 +139,11 @@ class Node:
     @property
     def next_functions(self) -> tuple[Edge, ...]:
         """``((node, input_nr), ...)``: where each output gradient flows."""
-        return self._next_edges
+        edges = self._next_edges
+        for next_node, _ in edges:
+            if type(next_node) is AccumulateGrad and next_node._strong is None:
+                next_node._expose()  # the user may keep it: PyTorch's lifetimes
+        return edges
 
     @property
     def stream(self) -> Stream | None:
@@ -276,19 +282,32 @@ class AccumulateGrad(Node):
     Without ``create_graph`` the gradient buffer is reused when nothing else references it
     (PyTorch's "steal") and later gradients are added in place; with ``create_graph`` the
     sum is recorded in the graph.
+
+    Lifetimes (PyTorch's, kept): a graph keeps its leaves alive, and a leaf's node lives
+    as long as a graph or the user holds it, hooks registered on it included. Two ways to
+    get there. A node the user can reach (``next_functions``, ``get_gradient_edge``, a
+    root or ``inputs=`` edge) is *exposed*: it holds its leaf strongly and the leaf holds
+    it weakly, as in PyTorch. A node only the engine reaches (a CPU leaf's, made by
+    ``Function.apply``, whose node also holds the leaf) is *owned* by its leaf: the leaf
+    holds it strongly and it holds the leaf weakly (no cycle), so that one node serves
+    every forward pass instead of a node, a lock and a weak reference made per leaf per
+    step. ``_expose`` turns an owned node into an exposed one, the way it would have been.
     """
 
-    __slots__ = ("variable",)
+    __slots__ = ("_ref", "_strong")
     inline = True
 
-    def __init__(self, variable: Tensor) -> None:
-        # Node.__init__'s fields, set here (one node per leaf per step): no edges, and the
-        # input metadata and tensor hooks are read from the leaf (their setters do nothing).
+    def __init__(self, variable: Tensor, owned: bool = False) -> None:
+        # Node.__init__'s fields, set here: no edges, and the input metadata and tensor
+        # hooks are read from the leaf (their setters do nothing).
         self._next_edges = ()
         self.topological_nr = 0
         self.sequence_nr = _ACCUMULATE_SEQUENCE_NR
         self._lock = threading.Lock()
-        self.variable = variable
+        # The engine reads the leaf through ``_ref`` (a C call, no property): alive while
+        # a graph reaches this node, since whatever holds the node then holds the leaf.
+        self._ref: Callable[[], Tensor] = weakref.ref(variable)  # type: ignore[assignment]
+        self._strong: Tensor | None = None if owned else variable
         device = variable.device
         if device.backend.has_streams:
             self._stream = device.current_stream()
@@ -300,9 +319,26 @@ class AccumulateGrad(Node):
             self._plain = 0
 
     @property
+    def variable(self) -> Tensor:
+        """The leaf tensor this node accumulates into."""
+        return self._ref()
+
+    def _expose(self) -> None:
+        """Hold the leaf strongly and let it hold this node weakly (PyTorch's lifetimes):
+        what any node the user, a root or a ``grad()`` input can reach must be."""
+        if self._strong is not None:
+            return
+        with accumulator_lock:
+            variable = self._ref()
+            if self._strong is None and variable is not None:
+                self._strong = variable
+                if variable._grad_accumulator is self:
+                    variable._grad_accumulator = weakref.ref(self)
+
+    @property
     def _input_metadata(self) -> list[InputMetadata]:
         # Read live: users may rebind ``leaf.data``.
-        variable = self.variable
+        variable = self._ref()  # (the property, without its call)
         return [(variable.data.shape, variable.data.dtype, variable.device)]
 
     @_input_metadata.setter
@@ -313,7 +349,7 @@ class AccumulateGrad(Node):
     def _tensor_pre_hooks(self) -> dict[int, HookDict] | None:
         # The leaf's hooks (``Tensor.register_hook``), read live; None while it has none, so
         # that the engine's hot path takes the node (as any node without hooks).
-        hooks = self.variable._backward_hooks
+        hooks = self._ref()._backward_hooks
         return {0: hooks} if hooks else None
 
     @_tensor_pre_hooks.setter
@@ -321,7 +357,7 @@ class AccumulateGrad(Node):
         pass  # derived from the variable (nothing to store)
 
     def _hooked(self) -> bool:
-        variable = self.variable
+        variable = self._ref()
         return bool(
             self._pre_hooks
             or self._post_hooks
@@ -332,7 +368,7 @@ class AccumulateGrad(Node):
     def apply(self, grads: Grads) -> Sequence[Tensor | None]:
         grad = grads[0]
         grads[0] = None  # drop the buffer's reference so the gradient can be stolen
-        variable = self.variable
+        variable = self._ref()  # (alive: see the class)
         if grad is not None:
             # PyTorch's AccumulateGrad rules (here, not in a function of their own: one call
             # fewer per leaf). The engine holds this node's lock while applying it: one

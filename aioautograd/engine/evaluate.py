@@ -337,7 +337,7 @@ def _make_ready(
                 # (validate.conformed, written out: this is the executors' per-node path,
                 # and the call costs a chain node 2% more instructions)
                 if type(next_node) is AccumulateGrad:
-                    variable = next_node.variable
+                    variable = next_node._ref()  # (the property's read, without its call)
                     leaf = variable.data
                     shape, dtype, device = leaf.shape, leaf.dtype, variable.device
                 else:

@@ -46,7 +46,7 @@ from aioautograd.engine.graph_task import enter_graph_task
 from aioautograd.engine.input_buffer import buffer_device
 from aioautograd.engine.policy import NUMPY_ERRORS
 from aioautograd.engine.ready_queue import NodeTask
-from aioautograd.engine.validate import conformed, validated
+from aioautograd.engine.validate import _conform, conformed, validated
 from aioautograd.tensor import Tensor
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ def _elementwise_fits(node: Node, inputs: list[Tensor | None], max_elements: int
     for next_node, input_nr in node._next_edges:
         if next_node is not None:
             if type(next_node) is AccumulateGrad:  # its metadata is the leaf's
-                size += next_node.variable.data.size
+                size += next_node._ref().data.size
             else:
                 size += math.prod(next_node._input_metadata[input_nr][0])
     return size <= max_elements
@@ -148,7 +148,7 @@ def _priced_qualifies(
         for next_node, input_nr in node._next_edges:
             if next_node is not None:
                 if type(next_node) is AccumulateGrad:
-                    size += next_node.variable.data.size
+                    size += next_node._ref().data.size
                 else:
                     size += math.prod(next_node._input_metadata[input_nr][0])
         if size * node._element_cost > max_elements:
@@ -185,7 +185,7 @@ def _product_flops(node: Node, grad_size: int) -> int:
         if next_node is None or axis is None:
             continue  # no gradient wanted, or not a product (a bias's sum)
         if type(next_node) is AccumulateGrad:
-            shape = next_node.variable.data.shape
+            shape = next_node._ref().data.shape
         else:
             shape = next_node._input_metadata[input_nr][0]
         if shape:
@@ -494,9 +494,23 @@ def _run_schedule(
                     if next_node is None:
                         continue
                     grad = outputs[i]
-                    if grad is not None:  # ``validated``'s check, in this loop
-                        grad = conformed(i, grad, next_node, input_nr, node)
                     leaf = type(next_node) is AccumulateGrad
+                    if grad is not None:
+                        # (validate.conformed, written out as on the executors: a call
+                        # fewer per edge)
+                        if leaf:
+                            variable = next_node._ref()  # type: ignore[attr-defined]
+                            expected = variable.data
+                            shape, dtype, device = expected.shape, expected.dtype, variable.device
+                        else:
+                            shape, dtype, device = next_node._input_metadata[input_nr]
+                        if type(grad) is not Tensor or not (
+                            grad.device is device
+                            and (data := grad.data).shape == shape
+                            and (data.dtype is dtype or data.dtype == dtype)
+                        ):
+                            grad = _conform(i, grad, shape, dtype, device, node)
+                        data = None  # (no local may hold a gradient's array: see below)
                     count = dependencies[next_node]
                     if count != 1:
                         dependencies[next_node] = count - 1

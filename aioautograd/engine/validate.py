@@ -78,7 +78,7 @@ def conformed(i: int, grad: Any, next_node: Node, input_nr: int, producer: Node 
     if type(next_node) is AccumulateGrad:
         # Its metadata, read live from the leaf without building the property's list (a
         # fan's branches all feed one leaf).
-        variable = next_node.variable
+        variable = next_node._ref()
         leaf = variable.data
         shape, dtype, device = leaf.shape, leaf.dtype, variable.device
     else:

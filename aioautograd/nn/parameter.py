@@ -57,6 +57,10 @@ class Parameter(Tensor):
             result.grad = Tensor(grad.xp.array(grad.data, copy=True), grad.device)
         return result
 
+    def __copy__(self) -> Parameter:
+        # What ``copy.copy`` made of ``__reduce_ex__`` before Tensor had a ``__copy__``.
+        return _rebuild_parameter(self.data, self.device, self.requires_grad)
+
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         return _rebuild_parameter, (self.data, self.device, self.requires_grad)
 
