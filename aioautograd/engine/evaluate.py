@@ -77,6 +77,18 @@ def evaluate_task(
             ready = [made]
     else:
         ready = made  # type: ignore[assignment]  # (not a NodeTask: the list)
+        if len(ready) == 2:  # a fan's add: ReadyQueue.push_pair has its case written out
+            a, b = ready
+            grads, others = a.inputs, b.inputs
+            if (
+                grads
+                and others
+                and (first := grads[0]) is not None
+                and (other := others[0]) is not None
+                and first.device is device
+                and other.device is device
+            ):
+                return executor.queue.push_pair(a, b, drain)
     # Engine.dispatch for the fan's case, every successor on this device (the caller's
     # executor serves it): the highest-priority one runs next here unless a task of higher
     # priority waits; the others go to the queue under one lock, in dispatch's order (then,
