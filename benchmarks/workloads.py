@@ -60,6 +60,10 @@ class Case:
     def begin_timed(self) -> None:
         """Called after the warm-up runs: statistics kept for ``extras()`` start here."""
 
+    def kept(self) -> None:
+        """Called after each run whose time the harness keeps (not after a warm-up run, nor
+        after an interleaved round's re-warming one)."""
+
     def close(self) -> None:
         """Called after the case's last run: release what it holds (worker processes).
         May be called again; a closed case is not run again."""
@@ -429,7 +433,7 @@ class _AioFanChainPairs(Case):
         self.nodes = self.fan_nodes = 2 * params["branches"]
         self.chain_nodes = params["chain"] + 1
         self.pairs: list[tuple[float, float]] = []  # (fan, chain) seconds per node
-        self.counting = False
+        self.last = (0.0, 0.0)
         self.flip = False
 
     def prepare(self) -> None:
@@ -447,14 +451,12 @@ class _AioFanChainPairs(Case):
             timed["fan" if case is self.fan else "chain"] = time.perf_counter() - start
             if case is self.fan:
                 value = result
-        if self.counting:
-            self.pairs.append((timed["fan"] / self.fan_nodes, timed["chain"] / self.chain_nodes))
+        self.last = (timed["fan"] / self.fan_nodes, timed["chain"] / self.chain_nodes)
         self.timed_s = timed["fan"]
         return value
 
-    def begin_timed(self) -> None:
-        self.pairs.clear()
-        self.counting = True
+    def kept(self) -> None:
+        self.pairs.append(self.last)
 
     def extras(self) -> dict[str, Any]:
         if not self.pairs:
