@@ -174,6 +174,7 @@ async def _time_all(
                     elapsed, _ = await _time_once(name, impl, cases[impl])
                     if round_index >= warm_rounds:
                         timed.append(elapsed)
+                        cases[impl].kept()
     else:
         for impl in impls:
             deadline = time.perf_counter() + MIN_WARMUP_S
@@ -187,6 +188,7 @@ async def _time_all(
                 elapsed, value = await _time_once(name, impl, cases[impl])
                 values.setdefault(impl, value)
                 times[impl].append(elapsed)
+                cases[impl].kept()
             cases[impl].close()
 
 

@@ -7,6 +7,8 @@ Usage::
     python benchmarks/run.py --only chain --only mlp
     python benchmarks/run.py --only mlp --impl aioautograd,numpy
     python benchmarks/run.py --threads 1     # BLAS and torch intra-op threads
+    python benchmarks/run.py --interleave --only chain,fan --impl aioautograd,aioautograd-paired
+                                             # + fan / chain timed in pairs (fan's summary)
 
 Every implementation of a figure runs in this one process, one after the other, on the same
 inputs. Each repeat times one call of the case's ``run`` (``prepare`` runs untimed before it);

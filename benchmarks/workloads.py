@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import statistics
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +59,10 @@ class Case:
 
     def begin_timed(self) -> None:
         """Called after the warm-up runs: statistics kept for ``extras()`` start here."""
+
+    def kept(self) -> None:
+        """Called after each run whose time the harness keeps (not after a warm-up run, nor
+        after an interleaved round's re-warming one)."""
 
     def close(self) -> None:
         """Called after the case's last run: release what it holds (worker processes).
@@ -414,14 +420,105 @@ class _MygradFan(Case):
         return float(np.sum(self.x.grad))
 
 
+class _AioFanChainPairs(Case):
+    """The fan and the chain (``chain``'s size) timed back to back in every repeat, each
+    pair's order alternating: the per-pair ratio fan / chain (per node) compares two
+    backward passes taken within ~0.1 s of each other, where the ratio of the two
+    workloads' medians compares runs taken minutes apart, on a VM whose speed drifts. The
+    repeat's own figure is the fan's backward."""
+
+    def __init__(self, params: Params) -> None:
+        self.fan = _AioFan(params)
+        self.chain = _AioChain({"n": params["chain"]})
+        self.nodes = self.fan_nodes = 2 * params["branches"]
+        self.chain_nodes = params["chain"] + 1
+        self.pairs: list[tuple[float, float]] = []  # (fan, chain) seconds per node
+        self.last = (0.0, 0.0)
+        self.flip = False
+
+    def prepare(self) -> None:
+        self.fan.prepare()
+        self.chain.prepare()
+
+    async def run(self) -> float:
+        timed: dict[str, float] = {}
+        self.flip = not self.flip
+        order = (self.fan, self.chain) if self.flip else (self.chain, self.fan)
+        value = 0.0
+        for case in order:
+            start = time.perf_counter()
+            result = await case.run()
+            timed["fan" if case is self.fan else "chain"] = time.perf_counter() - start
+            if case is self.fan:
+                value = result
+        self.last = (timed["fan"] / self.fan_nodes, timed["chain"] / self.chain_nodes)
+        self.timed_s = timed["fan"]
+        return value
+
+    def kept(self) -> None:
+        self.pairs.append(self.last)
+
+    def extras(self) -> dict[str, Any]:
+        if not self.pairs:
+            return {}
+        ratios = [fan / chain for fan, chain in self.pairs]
+        return {
+            "pairs": len(self.pairs),
+            "pair_fan_median_us": round(statistics.median(f for f, _ in self.pairs) * 1e6, 3),
+            "pair_chain_median_us": round(statistics.median(c for _, c in self.pairs) * 1e6, 3),
+            "pair_ratio_median": round(statistics.median(ratios), 3),
+            "pair_ratio_min": round(min(ratios), 3),
+            "pair_ratio_max": round(max(ratios), 3),
+            "pairs_within_1_5x": sum(r <= 1.5 for r in ratios),
+        }
+
+
+def _fan_summary(lines: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], str]:
+    """The paired fan / chain ratio (``aioautograd-paired``), when that variant ran, beside
+    every implementation's fan figure per node."""
+    summary: dict[str, Any] = {}
+    rows = [
+        "| implementation | median µs/node | min µs/node | pairs | pair fan / chain µs/node "
+        "(medians) | median of pair ratios (min-max) | pairs ≤ 1.5x |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, line in lines.items():
+        nodes = line["nodes"]
+        entry: dict[str, Any] = {
+            "median_us": round(line["median_s"] / nodes * 1e6, 3),
+            "min_us": round(line["min_s"] / nodes * 1e6, 3),
+        }
+        cells = [f"{entry['median_us']:.3g}", f"{entry['min_us']:.3g}", "—", "—", "—", "—"]
+        if "pair_ratio_median" in line:
+            entry.update({k: v for k, v in line.items() if k.startswith("pair")})
+            cells[2:] = [
+                str(line["pairs"]),
+                f"{line['pair_fan_median_us']:.3g} / {line['pair_chain_median_us']:.3g}",
+                f"{line['pair_ratio_median']:.2f}x ({line['pair_ratio_min']:.2f}-"
+                f"{line['pair_ratio_max']:.2f})",
+                f"{line['pairs_within_1_5x']} of {line['pairs']}",
+            ]
+        summary[name] = entry
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return summary, "\n".join(rows)
+
+
 register(
     Workload(
         name="fan",
         description="backward of x -> n branches (x * c_i) -> balanced tree of adds -> sum",
-        sizes={"full": {"branches": 1_000}, "quick": {"branches": 1_000}, "tiny": {"branches": 8}},
+        # ``chain``: the chain's length in the ``aioautograd-paired`` variant (the ``chain``
+        # workload's sizes)
+        sizes={
+            "full": {"branches": 1_000, "chain": 10_000},
+            "quick": {"branches": 1_000, "chain": 2_000},
+            "tiny": {"branches": 8, "chain": 10},
+        },
         repeats={"full": (3, 50), "quick": (1, 10), "tiny": (0, 1)},
+        summary=_fan_summary,
         impls=(
             Impl("aioautograd", _AioFan),
+            Impl(f"{SUBJECT}-paired", _AioFanChainPairs, main_table=False),
             Impl("torch", _TorchFan, ("torch",)),
             Impl("autograd", _HipsFan, ("autograd",)),
             Impl("mygrad", _MygradFan, ("mygrad",)),

@@ -407,3 +407,33 @@ def test_async_app_cpu_snapshot_counts_this_process() -> None:
         assert before.machine_s is not None
         assert after.machine_s is not None
         assert after.machine_s - before.machine_s >= 0.1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("interleave", [True, False])
+async def test_fan_pairs_count_the_kept_runs_only(
+    interleave: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The paired fan / chain ratio: one pair per timed repeat (warm-up runs and an
+    # interleaved round's re-warming run left out), and its figures in the fan's summary.
+    monkeypatch.setattr(harness, "MIN_WARMUP_S", 0.0)
+    workload = REGISTRY["fan"]
+    monkeypatch.setitem(workload.repeats, "tiny", (2, 7))
+    results, table = await harness.run_workload(
+        workload, "tiny", {SUBJECT, f"{SUBJECT}-paired"}, interleave
+    )
+    lines = {
+        line["impl"]: line
+        for line in map(json.loads, capsys.readouterr().out.splitlines())
+        if "impl" in line
+    }
+    paired = lines[f"{SUBJECT}-paired"]
+    assert paired["pairs"] == 7
+    assert paired["pair_ratio_min"] <= paired["pair_ratio_median"] <= paired["pair_ratio_max"]
+    assert 0 <= paired["pairs_within_1_5x"] <= 7
+    # The same checksum as the plain fan case: the pairs run the same backward.
+    assert paired["first_value"] == lines[SUBJECT]["first_value"]
+    assert table is not None
+    assert f"| {SUBJECT}-paired | " in table
+    assert f"| {paired['pairs_within_1_5x']} of 7 |" in table
+    assert {r.impl for r in results} == {SUBJECT, f"{SUBJECT}-paired"}

@@ -75,7 +75,6 @@ class Executor:
         # method call per node of a chain cost more than the peek itself) and run's pop.
         self.heap = self.queue._heap
         self.ordered = self.queue._ordered
-        self._ties = self.queue._ties
         self._entries = self.queue._tasks
         self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
@@ -212,7 +211,6 @@ class Executor:
         engine = self.engine
         heap = self.heap
         ordered = self.ordered
-        ties = self._ties
         lock = self.queue._lock
         entries = self._entries
         heappop = heapq.heappop
@@ -225,7 +223,14 @@ class Executor:
         pause_at = state.pause_at
         counted = self._begin_work()
         try:
-            while task is not None:
+            # ``while True`` and a break, not ``while task is not None``: CPython 3.11 warms a
+            # function up (specializes its attribute reads and calls) on its calls and on a
+            # plain backward jump, not on a conditional one, so this loop, entered once per
+            # backward pass, ran unspecialized for the first eight passes (callgrind: ~1.1k
+            # instructions per node of a fan, ~0.65k of a chain).
+            while True:
+                if task is None:
+                    break
                 try:
                     task = evaluate_task(engine, task, self, drain)
                 except BaseException as exc:  # a bug outside the node's own error handling
@@ -242,10 +247,9 @@ class Executor:
                     lock.acquire()
                     try:
                         if ordered:  # (ReadyQueue._take)
-                            if heap and heap[0] < ties[0] - (ordered[0].key << TIE_BITS):
+                            if heap and heap[0] < -(ordered[0].key << TIE_BITS):
                                 task = entries.pop(heappop(heap))
                             else:
-                                ties.popleft()
                                 task = ordered.popleft()
                     finally:
                         lock.release()

@@ -244,7 +244,10 @@ def test_the_queue_pops_exactly_as_a_plain_heap_whatever_the_push_order(seed: in
             local = max(tasks, key=lambda task: task.key)  # the first of the highest key
             local = next(task for task in tasks if task.key == local.key)
             pop = rng.random() < 0.7
-            popped.append(queue.push_local(tasks, local, pop))
+            if len(tasks) == 2 and rng.random() < 0.5:  # an add's two successors
+                popped.append(queue.push_pair(tasks[0], tasks[1], pop))
+            else:
+                popped.append(queue.push_local(tasks, local, pop))
             expected.append(reference.push_local(tasks, local, pop))
         else:
             popped.append(queue.pop_nowait())
@@ -270,6 +273,48 @@ def test_tasks_pushed_in_falling_priority_skip_the_heap() -> None:
     assert returned == list(range(100, 80, -1))
     assert queue._heap == []
     assert _drain(queue) == list(range(80, 59, -1))
+
+
+@pytest.mark.parametrize("pop", [True, False])
+def test_push_pair_appends_a_fans_two_successors_and_pops_the_first_task(pop: bool) -> None:
+    queue = ReadyQueue()
+    head, last = _task(100), _task(90)
+    queue.push(head, wake=False)
+    queue.push(last, wake=False)
+    low, high = _task(80), _task(85)
+    assert queue.push_pair(low, high, pop) is (head if pop else None)
+    assert queue._heap == []  # no sift: both appended
+    assert _drain(queue) == ([] if pop else [100]) + [90, 85, 80]
+
+
+@pytest.mark.parametrize(
+    ("queued", "keys", "expected"),
+    [
+        ([], (3, 5), (5, [3])),  # nothing queued: the higher one is kept, the other queued
+        ([4], (3, 5), (5, [4, 3])),  # the higher one ranks above the queue: kept
+        ([9, 4], (3, 5), (9, [5, 4, 3])),  # not both below the deque's last task
+        ([9], (5, 5), (9, [5, 5])),  # equal keys: the general case (FIFO: dispatch order)
+    ],
+)
+def test_push_pair_leaves_every_other_case_to_push_local(
+    queued: list[int], keys: tuple[int, int], expected: tuple[int, list[int]]
+) -> None:
+    queue = ReadyQueue()
+    for key in queued:
+        queue.push(_task(key), wake=False)
+    first, second = (_task(key) for key in keys)
+    got = queue.push_pair(first, second, pop=True)
+    assert got is not None
+    assert (got.key, _drain(queue)) == expected
+
+
+def test_push_pair_queues_equal_keys_in_dispatch_order() -> None:
+    queue = ReadyQueue()
+    queue.push(_task(9), wake=False)
+    first, second = _task(5), _task(5)
+    assert queue.push_pair(first, second, pop=True).key == 9
+    # ``first`` is kept as push_local's local (the first of the higher key), queued last
+    assert [queue.pop_nowait(), queue.pop_nowait()] == [second, first]
 
 
 def test_head_mark_names_the_next_task_across_the_deque_and_the_heap() -> None:
