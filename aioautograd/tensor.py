@@ -546,6 +546,20 @@ class Tensor:
             result._grad = Tensor(self._grad.data.copy(), self._grad.device)
         return result
 
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        """Pickling, as PyTorch's: a leaf with a copy of this tensor's data, its device and
+        ``requires_grad`` (a non-leaf comes back as a leaf that requires grad); no history,
+        ``.grad`` or hooks (a warning says when hooks are dropped)."""
+        if self._backward_hooks or self._post_accumulate_grad_hooks:
+            warnings.warn(
+                "hooks registered on this tensor will not be pickled; register them again "
+                "on the restored tensor",
+                UserWarning,
+                stacklevel=2,
+            )
+        state = getattr(self, "__dict__", None)  # a subclass's own attributes
+        return _rebuild_tensor, (type(self), self.data, self.device, self.requires_grad, state)
+
     def __iter__(self) -> Iterator[Tensor]:
         if self.ndim == 0:
             raise TypeError("iteration over a 0-d tensor")
@@ -890,6 +904,17 @@ _ndarray = np.ndarray
 
 # The fields ``Tensor.__copy__`` copies (every one ``__init__`` sets).
 _COPIED_SLOTS = tuple(name for name in Tensor.__slots__ if name != "__weakref__")
+
+
+def _rebuild_tensor(
+    cls: type[Tensor], data: Array, device: Device, requires_grad: bool, state: Any
+) -> Tensor:
+    """(``Tensor.__reduce_ex__``) The unpickled tensor: a fresh leaf of ``cls``."""
+    out = Tensor.__new__(cls)
+    Tensor.__init__(out, data, device, requires_grad)
+    if state:
+        out.__dict__.update(state)
+    return out
 
 
 def wrap(result: Any, device: Device) -> Tensor:

@@ -164,3 +164,65 @@ def test_deepcopy_of_a_leaf_is_a_fresh_leaf() -> None:
     assert_close(y.grad, np.full(3, 2.0))
     with pytest.raises(RuntimeError, match="graph leaves"):
         copy.deepcopy(x * 2)
+
+
+class _Tagged(ag.Tensor):
+    """A subclass with attributes of its own (as user code may write)."""
+
+
+def _pickled(tensor: object) -> object:
+    import pickle
+
+    return pickle.loads(pickle.dumps(tensor))
+
+
+def test_pickling_gives_a_fresh_leaf_as_pytorch_does() -> None:
+    # A leaf that took part in a backward (its accumulator exists), a non-leaf and a view:
+    # each comes back as a leaf with a copy of the data and requires_grad, without history
+    # or .grad; torch (where installed) gives the same.
+    x = ag.tensor([1.0, -2.0, 3.0], requires_grad=True)
+    (x * 2).sum().backward_sync()
+    y = x * 2
+    view = ag.arange(6.0).reshape(2, 3)[:, 1]
+    restored = [_pickled(t) for t in (x, y, view)]
+    for original, back in zip((x, y, view), restored, strict=True):
+        assert isinstance(back, ag.Tensor)
+        assert type(back) is ag.Tensor
+        assert back.is_leaf
+        assert back.grad_fn is None
+        assert back.grad is None
+        assert back.requires_grad == original.requires_grad
+        assert back.dtype == original.dtype
+        assert back.device is original.device
+        assert back.tolist() == original.tolist()
+        assert not np.shares_memory(back.data, original.data)
+    back_x = restored[0]
+    assert isinstance(back_x, ag.Tensor)
+    (back_x * 3).sum().backward_sync()  # its own accumulator: x's .grad is untouched
+    assert_close(back_x.grad, np.full(3, 3.0))
+    assert_close(x.grad, np.full(3, 2.0))
+    torch = pytest.importorskip("torch")
+    tx = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
+    (tx * 2).sum().backward()
+    for t in (tx, tx * 2):
+        back_t = _pickled(t)
+        assert isinstance(back_t, torch.Tensor)
+        assert back_t.is_leaf
+        assert back_t.grad is None
+        assert back_t.requires_grad
+
+
+def test_pickling_warns_about_hooks_and_keeps_a_subclass_and_its_attributes() -> None:
+    x = ag.tensor([1.0, 2.0], requires_grad=True)
+    x.register_hook(lambda grad: grad * 2)
+    with pytest.warns(UserWarning, match="hooks .* will not be pickled"):
+        back = _pickled(x)
+    assert isinstance(back, ag.Tensor)
+    assert back._backward_hooks is None
+    tagged = _Tagged(np.ones(2, dtype=np.float32), requires_grad=True)
+    tagged.name = "w"  # type: ignore[attr-defined]
+    restored = _pickled(tagged)
+    assert type(restored) is _Tagged
+    assert restored.name == "w"  # type: ignore[attr-defined]
+    assert restored.requires_grad
+    assert restored.is_leaf
