@@ -637,8 +637,7 @@ class LocalServer:
         Raises:
             OSError: no socket here (e.g. a path over the platform's length limit).
         """
-        with contextlib.suppress(OSError):
-            await asyncio.to_thread(sweep_stale_directories)
+        await asyncio.to_thread(sweep_stale_directories)  # (it never raises OSError)
         self._directory = _private_directory()
         path = os.path.join(self._directory, _SOCKET_NAME)
         loop = asyncio.get_running_loop()
