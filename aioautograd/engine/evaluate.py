@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from aioautograd.anomaly_mode import current_node
@@ -128,6 +128,10 @@ def evaluate_function(task: NodeTask, device: Device, reuse: bool = False) -> Re
             enter_graph_task(graph_task)
         if graph_task.pending_analysis is not None:  # first task: only one exists, no race
             graph_task.analyse()
+            if graph_task.plain and node._plain and device.type == "cpu" and task.outputs is None:
+                inputs = _NO_INPUTS  # (the schedule takes the buffer from the task: no
+                # second reference, see Node.owned_gradient)
+                return (_schedule_on_executor or _load_schedule_on_executor())(graph_task, task)
         if task.outputs is not None:  # an async node finished on the loop
             outputs = _finish_outputs(graph_task, node, task.outputs, inputs)
         elif node._plain and graph_task.plain:
@@ -169,6 +173,18 @@ def evaluate_function(task: NodeTask, device: Device, reuse: bool = False) -> Re
         graph_task.set_error(exc, node, device, inputs)
         graph_task.task_finished()
         return None
+
+
+_schedule_on_executor: Callable[[GraphTask, NodeTask], list[NodeTask] | None] | None = None
+
+
+def _load_schedule_on_executor() -> Callable[[GraphTask, NodeTask], list[NodeTask] | None]:
+    # inline.py imports this module: bound on first use
+    global _schedule_on_executor
+    from aioautograd.engine.inline import schedule_on_executor
+
+    _schedule_on_executor = schedule_on_executor
+    return schedule_on_executor
 
 
 def _call_function(

@@ -450,6 +450,34 @@ def pause_if_due() -> None:
         state.pause_at = time.perf_counter() + policy.gil_hold_s
 
 
+# How often a schedule (``inline._run_schedule`` on an executor) looks at the CPU budget
+# between its pauses (every ``gil_hold_s`` / this): the executor's loop looks after every
+# node, a schedule's nodes take ~5 µs each and looking costs two calls.
+SCHEDULE_LOOKS_PER_HOLD = 5
+
+
+def schedule_deadline() -> float:
+    """(executor) When a schedule running on this thread next calls :func:`schedule_pause`."""
+    state = worker_state
+    executor = state.executor
+    look = executor.engine.policy.gil_hold_s / SCHEDULE_LOOKS_PER_HOLD if executor else 1e-4
+    return min(state.pause_at, time.perf_counter() + look)
+
+
+def schedule_pause() -> float:
+    """(executor, between two nodes of a schedule) What the executor's loop does between two
+    nodes: pause for other threads when due, wait while the CPU budget is overdrawn; return
+    the next deadline (:func:`schedule_deadline`)."""
+    pause_if_due()
+    state = worker_state
+    executor = state.executor
+    if executor is not None and not state.extra:
+        budget = executor._budget
+        if budget is not None and budget.active > budget.cores:  # overdrawn
+            budget.wait_for_core()
+    return schedule_deadline()
+
+
 def rested(waited: float) -> None:
     """A worker that has just blocked ``waited`` seconds without the GIL (waiting for the
     helpers of a split product) gave other threads the window a pause gives: when that is

@@ -18,6 +18,8 @@ executors do the math and the bookkeeping::
       |                                                   -> evaluate_function: hooks,
       |                                                      node.apply, validate_outputs,
       |                                                      make successors ready, loop
+      |                                                   (a pass's first task, plain: the
+      |                                                    inline schedule, on this worker)
       | _run_async_node: awaits an async      <--start_async_node (call_soon_threadsafe)--
       |   node's apply as a task               --push_continuation-->  evaluate_function
       |   (a node without edges or hooks, and one reached inline, stays on the loop)
