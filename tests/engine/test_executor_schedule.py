@@ -215,3 +215,27 @@ async def test_a_node_too_large_is_left_to_the_queue(spy: _Spy) -> None:
     assert spy.results[0] is not None
     np.testing.assert_array_equal(grads[0], grads[1])
     assert_close(grads[0], np.full(big, 2.0 * 1.001**400))
+
+
+async def test_concurrent_schedules_sharing_a_leaf_sum_its_gradients(spy: _Spy) -> None:
+    """Twelve long passes at once, each run by a worker's schedule, all reaching one leaf:
+    its ``AccumulateGrad`` (one writer at a time) sums every pass's gradient."""
+    rng = np.random.default_rng(7)
+    wd = rng.uniform(0.9, 1.1, 4)
+    xds = [rng.standard_normal(4) for _ in range(12)]
+    w = ag.tensor(wd, requires_grad=True)
+    xs = [ag.tensor(xd, requires_grad=True) for xd in xds]
+    losses = [_chain(x, w, 600) for x in xs]
+    await asyncio.gather(*(loss.backward() for loss in losses))
+    assert len(spy.results) == 12
+    assert all(result is None for result in spy.results)
+    concurrent = w.grad.data.copy()  # type: ignore[union-attr]
+    w.grad = None
+    expected = np.zeros(4)
+    for i, xd in enumerate(xds):
+        x = ag.tensor(xd, requires_grad=True)
+        await _chain(x, w, 600).backward()
+        np.testing.assert_array_equal(x.grad.data, xs[i].grad.data)  # type: ignore[union-attr]
+        expected += w.grad.data  # type: ignore[union-attr]
+        w.grad = None
+    assert_close(concurrent, expected, rtol=1e-12)
