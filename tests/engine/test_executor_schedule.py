@@ -239,3 +239,57 @@ async def test_concurrent_schedules_sharing_a_leaf_sum_its_gradients(spy: _Spy) 
         expected += w.grad.data  # type: ignore[union-attr]
         w.grad = None
     assert_close(concurrent, expected, rtol=1e-12)
+
+
+async def test_create_graph_through_the_schedule_matches_torch(spy: _Spy) -> None:
+    """``create_graph=True``: the scheduled nodes record the gradient's own graph, whose
+    backward (a second pass, scheduled too) gives the second derivative."""
+    rng = np.random.default_rng(8)
+    xd, wd = rng.standard_normal(3), rng.uniform(0.9, 1.1, 3)
+    x = ag.tensor(xd, requires_grad=True)
+    w = ag.tensor(wd, requires_grad=True)
+    (gx,) = await ag.grad(_chain(x, w, 450), [x], create_graph=True)
+    assert gx.requires_grad
+    await (gx * gx).sum().backward()
+    assert spy.results == [None]  # grad() has outputs (not plain): only the second pass
+    if _torch is not None:
+        tx = _torch.tensor(xd, requires_grad=True)
+        tw = _torch.tensor(wd, requires_grad=True)
+        (tgx,) = _torch.autograd.grad(_torch_chain(tx, tw, 450), [tx], create_graph=True)
+        (tgx * tgx).sum().backward()
+        assert_close(gx, tgx, rtol=1e-10)
+        assert_close(x.grad, tx.grad, rtol=1e-9)
+        assert_close(w.grad, tw.grad, rtol=1e-9)
+
+
+async def test_retain_graph_keeps_what_the_schedule_would_release(spy: _Spy) -> None:
+    x = ag.tensor(np.linspace(0.1, 0.4, 4), requires_grad=True)
+    loss = _chain(x, ag.tensor(np.full(4, 1.01)), 600)
+    await loss.backward(retain_graph=True)
+    once = x.grad.data.copy()  # type: ignore[union-attr]
+    await loss.backward()
+    np.testing.assert_array_equal(x.grad.data, 2 * once)  # type: ignore[union-attr]
+    assert spy.results == [None, None]
+    with pytest.raises(RuntimeError, match="second time"):
+        await loss.backward()
+
+
+async def test_a_hooked_tensor_midway_stops_the_schedule_and_its_hook_runs_once(
+    spy: _Spy,
+) -> None:
+    x = ag.tensor(np.linspace(-1, 1, 4), requires_grad=True)
+    w = ag.tensor(np.full(4, 1.02))
+    middle = _chain(x, w, 300)
+    seen: list[np.ndarray] = []
+    middle.register_hook(lambda g: seen.append(g.data.copy()))
+    h = middle.reshape(1) * 1.0
+    for _ in range(400):
+        h = h * 1.001
+    await h.sum().backward()
+    assert len(seen) == 1
+    assert_close(seen[0], 1.001**400)
+    assert len(spy.results) == 1
+    assert spy.results[0] is not None  # stopped at the hooked node, the queue went on
+    expected = ag.tensor(np.linspace(-1, 1, 4), requires_grad=True)
+    await (_chain(expected, w, 300) * 1.001**400).backward()
+    assert_close(x.grad, expected.grad, rtol=1e-12)
