@@ -420,33 +420,7 @@ def _make_ready(
                     more.append(successor)
             else:
                 dependencies[next_node] = count - 1
-                buffer = not_ready.get(next_node)
-                if buffer is None:
-                    buffer = _new_held_buffer(graph_task, next_node)
-                # _add, inlined: a fan's branches all come here
-                orders = graph_task.slot_orders.get(next_node)
-                order = orders[input_nr] if orders is not None else None
-                if order is None:
-                    accumulate(buffer, input_nr, grad, producer, next_node._stream)
-                elif (
-                    order.owned
-                    and not order.held
-                    and order.outputs is None
-                    and grad is not None
-                    and producer is None
-                    and (k := order.next) < len(expected := order.expected)
-                    and expected[k] is node
-                    and next_node._stream is None
-                    and not _grad_enabled_get()
-                ):
-                    # SlotOrder.add's in-place sum on CPU, written out (every branch of a
-                    # fan but the first two: ~370 instructions per fan node fewer)
-                    old = buffer[input_nr]
-                    data = old.data  # type: ignore[union-attr]  # (owned: a sum is there)
-                    old.device.xp.add(data, grad.data, data)  # type: ignore[union-attr]
-                    order.next = k + 1
-                else:
-                    order.add(buffer, input_nr, node, i, grad, producer, next_node._stream)
+                hold(graph_task, next_node, input_nr, node, i, grad, producer)
         if made is None:  # this task ends, none starts
             left = graph_task.outstanding_tasks = graph_task.outstanding_tasks - 1
         elif more is not None:
@@ -505,14 +479,38 @@ def hold(
     node: Node,
     output_nr: int,
     grad: Tensor | None,
+    producer: Stream | None = None,
 ) -> None:
-    """(under the graph task's lock, CPU) Put ``grad`` in the buffer of ``next_node``, which
-    other edges still feed: ``_make_ready``'s bookkeeping of a gradient that does not make
-    its consumer ready, for the inline passes (``_make_ready`` has it inlined)."""
+    """(under the graph task's lock, or in a schedule) Put ``grad``, which ``node`` sent
+    along its edge ``output_nr``, in the buffer of ``next_node``, which other edges still
+    feed: the bookkeeping of a gradient that does not make its consumer ready (every
+    branch of a fan comes here)."""
     buffer = graph_task.not_ready.get(next_node)
     if buffer is None:
         buffer = _new_held_buffer(graph_task, next_node)
-    _add(graph_task, buffer, next_node, input_nr, node, output_nr, grad, None)
+    orders = graph_task.slot_orders.get(next_node)
+    order = orders[input_nr] if orders is not None else None
+    if order is None:
+        accumulate(buffer, input_nr, grad, producer, next_node._stream)
+    elif (
+        order.owned
+        and not order.held
+        and order.outputs is None
+        and grad is not None
+        and producer is None
+        and (k := order.next) < len(expected := order.expected)
+        and expected[k] is node
+        and next_node._stream is None
+        and not _grad_enabled_get()
+    ):
+        # SlotOrder.add's in-place sum on CPU, written out (every branch of a fan but the
+        # first two: ~370 instructions per fan node fewer than through SlotOrder.add)
+        old = buffer[input_nr]
+        data = old.data  # type: ignore[union-attr]  # (owned: a sum is there)
+        old.device.xp.add(data, grad.data, data)  # type: ignore[union-attr]
+        order.next = k + 1
+    else:
+        order.add(buffer, input_nr, node, output_nr, grad, producer, next_node._stream)
 
 
 def complete_buffer(
