@@ -464,17 +464,21 @@ def schedule_deadline() -> float:
     return min(state.pause_at, time.perf_counter() + look)
 
 
-def schedule_pause() -> float:
+def schedule_pause() -> float | None:
     """(executor, between two nodes of a schedule) What the executor's loop does between two
     nodes: pause for other threads when due, wait while the CPU budget is overdrawn; return
-    the next deadline (:func:`schedule_deadline`)."""
+    the next deadline (:func:`schedule_deadline`), or None when tasks of other passes wait
+    in this executor's queue (the schedule then hands its own to the queue, which runs them
+    all in its priority order, as it would have without a schedule)."""
     pause_if_due()
     state = worker_state
     executor = state.executor
-    if executor is not None and not state.extra:
+    if executor is not None:
+        if len(executor.queue):
+            return None
         budget = executor._budget
-        if budget is not None and budget.active > budget.cores:  # overdrawn
-            budget.wait_for_core()
+        if budget is not None and not state.extra and budget.active > budget.cores:
+            budget.wait_for_core()  # (overdrawn)
     return schedule_deadline()
 
 

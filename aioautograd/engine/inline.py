@@ -445,7 +445,7 @@ def _run_schedule(
     deadline: float,
     max_elements: int,
     max_flops: float,
-    on_deadline: Callable[[], float] | None = None,
+    on_deadline: Callable[[], float | None] | None = None,
 ) -> list[NodeTask] | None:
     """(loop, or the executor thread that took a pass's first task) Run a plain graph
     task's nodes in the order the ready queue would, without one: later-created nodes
@@ -460,14 +460,14 @@ def _run_schedule(
     ``sequence_nr`` out of creation order) stops the schedule. It also stops at a node
     that is not plain, one that does not qualify, an error (the pass's: a cancellation
     too), or the deadline, unless ``on_deadline`` (an executor's: it pauses for the loop
-    and the CPU budget) gives a new one. Every step of a
-    node is that of ``_run_tasks``'s loop (validation, dependency counts, buffers, fixed
-    summation orders), so the state it leaves is the one the queue would have; only the
-    ready tasks themselves (a ``NodeTask`` each, a heap, the count of outstanding tasks)
-    are not made per node, and the graph task's lock is not taken: nothing has been handed
-    off (no other thread, no async node has a task of this pass), so no other thread reads
-    or writes its tables until the schedule returns (``cancel`` only sets ``has_error``,
-    read before every node).
+    and the CPU budget, and says stop once other passes' tasks wait) gives a new one.
+    Every step of a node is that of ``_run_tasks``'s loop (validation, dependency counts,
+    buffers, fixed summation orders), so the state it leaves is the one the queue would
+    have; only the ready tasks themselves (a ``NodeTask`` each, a heap, the count of
+    outstanding tasks) are not made per node, and the graph task's lock is not taken:
+    nothing has been handed off (no other thread, no async node has a task of this pass),
+    so no other thread reads or writes its tables until the schedule returns (``cancel``
+    only sets ``has_error``, read before every node).
     """
     dependencies = graph_task.dependencies
     not_ready = graph_task.not_ready
@@ -565,9 +565,10 @@ def _run_schedule(
                 # A plain leaf's node qualifies: it is on the CPU (no stream), and the
                 # price of the node that made it ready counted the leaf's elements.
                 if time.perf_counter() > deadline:
-                    if on_deadline is None:
+                    later = on_deadline() if on_deadline is not None else None
+                    if later is None:
                         break
-                    deadline = on_deadline()
+                    deadline = later
                 continue
         elif position < end:
             node = order[position]
@@ -582,9 +583,10 @@ def _run_schedule(
             graph_task.all_tasks_done()
             return None
         if time.perf_counter() > deadline:
-            if on_deadline is None:
+            later = on_deadline() if on_deadline is not None else None
+            if later is None:
                 break
-            deadline = on_deadline()
+            deadline = later
         plain = node._plain
         if plain == INLINE:  # (not a leaf's node: a plain leaf went on above)
             elements = node._elements  # (counted at the node's creation, or negative)
@@ -611,8 +613,10 @@ def schedule_on_executor(graph_task: GraphTask, first: NodeTask) -> list[NodeTas
     queue's order, or None once the pass is complete.
 
     A long chain's or a wide fan's backward (too large to start inline) then pays no ready
-    queue, ``NodeTask`` or graph task lock per node: ~14% fewer instructions per chain node
-    and ~20% per fan node (``benchmarks/callgrind.py``).
+    queue, ``NodeTask`` or graph task lock per node: ~12% fewer instructions per chain node
+    and ~20% per fan node (``benchmarks/callgrind.py``). It runs while this pass has the
+    executor to itself: once another pass's task waits in the queue, it hands its ready
+    tasks to the queue, whose priority order interleaves the passes node by node as before.
     """
     policy = graph_task.engine.policy
     return _run_schedule(

@@ -218,8 +218,9 @@ async def test_a_node_too_large_is_left_to_the_queue(spy: _Spy) -> None:
 
 
 async def test_concurrent_schedules_sharing_a_leaf_sum_its_gradients(spy: _Spy) -> None:
-    """Twelve long passes at once, each run by a worker's schedule, all reaching one leaf:
-    its ``AccumulateGrad`` (one writer at a time) sums every pass's gradient."""
+    """Twelve long passes at once, each started in a worker's schedule (and handed to the
+    queue's order while others wait), all reaching one leaf: its ``AccumulateGrad`` (one
+    writer at a time) sums every pass's gradient."""
     rng = np.random.default_rng(7)
     wd = rng.uniform(0.9, 1.1, 4)
     xds = [rng.standard_normal(4) for _ in range(12)]
@@ -227,8 +228,7 @@ async def test_concurrent_schedules_sharing_a_leaf_sum_its_gradients(spy: _Spy) 
     xs = [ag.tensor(xd, requires_grad=True) for xd in xds]
     losses = [_chain(x, w, 600) for x in xs]
     await asyncio.gather(*(loss.backward() for loss in losses))
-    assert len(spy.results) == 12
-    assert all(result is None for result in spy.results)
+    assert len(spy.results) == 12  # each pass started in a schedule (most stop: others wait)
     concurrent = w.grad.data.copy()  # type: ignore[union-attr]
     w.grad = None
     expected = np.zeros(4)
@@ -293,3 +293,28 @@ async def test_a_hooked_tensor_midway_stops_the_schedule_and_its_hook_runs_once(
     expected = ag.tensor(np.linspace(-1, 1, 4), requires_grad=True)
     await (_chain(expected, w, 300) * 1.001**400).backward()
     assert_close(x.grad, expected.grad, rtol=1e-12)
+
+
+async def test_a_pass_waiting_for_the_worker_interleaves_with_a_long_schedule(spy: _Spy) -> None:
+    """One worker, a long pass in its schedule: a short pass queued meanwhile does not wait
+    for the long one to finish. The schedule hands its tasks to the queue, whose priority
+    order (the later-created graph's nodes first) runs the short pass at once."""
+    engine = ag.Engine(ag.EnginePolicy(cpu_threads=1, inline_budget_s=0.0))
+    previous = ag.set_default_engine(engine)
+    try:
+        x = ag.tensor(np.ones(4), requires_grad=True)
+        long_pass = asyncio.create_task(_chain(x, ag.tensor(np.full(4, 0.999)), 60_000).backward())
+        assert await asyncio.to_thread(spy.started.wait, 30)
+        y = ag.tensor(np.arange(4.0), requires_grad=True)
+        await (y * 3.0).sum().backward()
+        assert not long_pass.done()  # the short pass finished first
+        assert_close(y.grad, np.full(4, 3.0))
+        await long_pass
+        assert spy.results[0] is not None  # the long schedule stopped for the short pass
+        expected = ag.tensor(np.ones(4), requires_grad=True)
+        await _chain(expected, ag.tensor(np.full(4, 0.999)), 60_000).backward()
+        np.testing.assert_array_equal(x.grad.data, expected.grad.data)  # type: ignore[union-attr]
+    finally:
+        assert previous is not None
+        ag.set_default_engine(previous)
+        engine.close()
