@@ -40,6 +40,15 @@ class _Spy:
         self.results.append(result)
         return result
 
+    async def settled(self, schedules: int) -> list[Any]:
+        """The results once ``schedules`` schedules have returned: a schedule that completes
+        its pass resolves the awaiting future before it returns to record its result."""
+        deadline = time.monotonic() + 10
+        while len(self.results) < schedules:
+            assert time.monotonic() < deadline, f"{len(self.results)} of {schedules} schedules"
+            await asyncio.sleep(0.001)
+        return self.results
+
 
 @pytest.fixture
 def spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Spy]:
@@ -79,8 +88,7 @@ async def test_a_long_chain_matches_the_queues_pass_and_torch(spy: _Spy) -> None
             loss.retain_grad()  # the root is not plain: no schedule, the queue's path
         await loss.backward()
         grads.append((x.grad.data.copy(), w.grad.data.copy()))  # type: ignore[union-attr]
-    assert len(spy.results) == 1
-    assert spy.results[0] is None
+    assert await spy.settled(1) == [None]  # one schedule, run to the end
     for ours, queue in zip(grads[0], grads[1], strict=True):
         np.testing.assert_array_equal(ours, queue)
     if _torch is not None:
@@ -110,7 +118,7 @@ async def test_a_wide_fan_matches_the_queues_pass_and_finite_differences(spy: _S
             loss.retain_grad()
         await loss.backward()
         grads.append(x.grad.data.copy())  # type: ignore[union-attr]
-    assert spy.results == [None]
+    assert await spy.settled(1) == [None]
     np.testing.assert_array_equal(grads[0], grads[1])
     expected = sum(w * np.cos(xd * w) for w in ws)
     assert_close(grads[0], expected, rtol=1e-10)
@@ -139,7 +147,7 @@ async def test_the_schedule_runs_nodes_in_the_queues_order(spy: _Spy) -> None:
             loss.retain_grad()
         await loss.backward()
         results.append((order, [leaf.grad.data for leaf in leaves]))  # type: ignore[union-attr]
-    assert spy.results == [None]
+    assert await spy.settled(1) == [None]
     assert results[0][0] == results[1][0] == ["g", "f", "e", "d", "c", "b", "a"]
     for ours, queue in zip(results[0][1], results[1][1], strict=True):
         np.testing.assert_array_equal(ours, queue)
@@ -190,7 +198,7 @@ async def test_the_loop_is_served_while_a_schedule_runs(spy: _Spy) -> None:
         sys.setswitchinterval(previous)
         done = True
         await ticking
-    assert spy.results == [None]
+    assert await spy.settled(1) == [None]
     assert x.grad is not None
     assert ticks >= 10
 
@@ -211,8 +219,8 @@ async def test_a_node_too_large_is_left_to_the_queue(spy: _Spy) -> None:
             loss.retain_grad()
         await loss.backward()
         grads.append(x.grad.data.copy())  # type: ignore[union-attr]
-    assert len(spy.results) == 1
-    assert spy.results[0] is not None
+    (stopped,) = await spy.settled(1)
+    assert stopped is not None
     np.testing.assert_array_equal(grads[0], grads[1])
     assert_close(grads[0], np.full(big, 2.0 * 1.001**400))
 
@@ -228,7 +236,7 @@ async def test_concurrent_schedules_sharing_a_leaf_sum_its_gradients(spy: _Spy) 
     xs = [ag.tensor(xd, requires_grad=True) for xd in xds]
     losses = [_chain(x, w, 600) for x in xs]
     await asyncio.gather(*(loss.backward() for loss in losses))
-    assert len(spy.results) == 12  # each pass started in a schedule (most stop: others wait)
+    assert len(await spy.settled(12)) == 12  # each pass started in one (most stop: others wait)
     concurrent = w.grad.data.copy()  # type: ignore[union-attr]
     w.grad = None
     expected = np.zeros(4)
@@ -251,7 +259,7 @@ async def test_create_graph_through_the_schedule_matches_torch(spy: _Spy) -> Non
     (gx,) = await ag.grad(_chain(x, w, 450), [x], create_graph=True)
     assert gx.requires_grad
     await (gx * gx).sum().backward()
-    assert spy.results == [None]  # grad() has outputs (not plain): only the second pass
+    assert await spy.settled(1) == [None]  # grad() has outputs (not plain): only the second pass
     if _torch is not None:
         tx = _torch.tensor(xd, requires_grad=True)
         tw = _torch.tensor(wd, requires_grad=True)
@@ -269,7 +277,7 @@ async def test_retain_graph_keeps_what_the_schedule_would_release(spy: _Spy) -> 
     once = x.grad.data.copy()  # type: ignore[union-attr]
     await loss.backward()
     np.testing.assert_array_equal(x.grad.data, 2 * once)  # type: ignore[union-attr]
-    assert spy.results == [None, None]
+    assert await spy.settled(2) == [None, None]
     with pytest.raises(RuntimeError, match="second time"):
         await loss.backward()
 
@@ -288,8 +296,8 @@ async def test_a_hooked_tensor_midway_stops_the_schedule_and_its_hook_runs_once(
     await h.sum().backward()
     assert len(seen) == 1
     assert_close(seen[0], 1.001**400)
-    assert len(spy.results) == 1
-    assert spy.results[0] is not None  # stopped at the hooked node, the queue went on
+    (stopped,) = await spy.settled(1)
+    assert stopped is not None  # at the hooked node; the queue went on
     expected = ag.tensor(np.linspace(-1, 1, 4), requires_grad=True)
     await (_chain(expected, w, 300) * 1.001**400).backward()
     assert_close(x.grad, expected.grad, rtol=1e-12)
@@ -310,7 +318,7 @@ async def test_a_pass_waiting_for_the_worker_interleaves_with_a_long_schedule(sp
         assert not long_pass.done()  # the short pass finished first
         assert_close(y.grad, np.full(4, 3.0))
         await long_pass
-        assert spy.results[0] is not None  # the long schedule stopped for the short pass
+        assert (await spy.settled(1))[0] is not None  # the long one stopped for the short one
         expected = ag.tensor(np.ones(4), requires_grad=True)
         await _chain(expected, ag.tensor(np.full(4, 0.999)), 60_000).backward()
         np.testing.assert_array_equal(x.grad.data, expected.grad.data)  # type: ignore[union-attr]
