@@ -104,8 +104,10 @@ class EnginePolicy:
             code: 5-21% less wall time in in-process A/Bs, 1.12x and 1.27x the sequential
             schedule against 0.89x and 1.00x, but the 1 ms heartbeat's p99 14-17 ms instead
             of 8.5-11.5 and its longest delay up to 33 ms, a coroutine's turn being a forward
-            pass at one core's speed: benchmarks/README.md, session 27). For training loops
-            with nothing else to serve on the event loop.
+            pass at one core's speed: benchmarks/README.md, session 27; session 35, nine
+            rounds: 11-26% less wall time, p99 3-8 ms worse, and ~7% fewer steps/s in the
+            aiohttp app's natural mode, which trains one model for four clients). For
+            training loops with nothing else to serve on the event loop.
         loop_slice_s: while a thread awaits an ``offload`` (an event loop's thread with
             the training step on a worker), it asks the kernel for a scheduler slice this
             short (Linux 6.12+, ``sched_attr.sched_runtime``; its weight, and so its share of
