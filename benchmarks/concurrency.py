@@ -314,7 +314,7 @@ def _concurrent_summary(lines: dict[str, dict[str, Any]]) -> tuple[dict[str, Any
         for name, key in (
             ("aioautograd", "speedup_natural"),
             ("aioautograd-offload", "speedup_offload"),
-            ("aioautograd-shared", "speedup_shared"),
+            ("aioautograd-hold", "speedup_hold"),
         ):
             if name in lines:
                 summary[key] = best_seq / lines[name]["median_s"]
@@ -386,8 +386,8 @@ def _training_impls() -> tuple[Impl, ...]:
         Impl("aioautograd", _aio_training(True, False)),
         Impl("aioautograd-offload", _aio_training(True, True), main_table=False),
         Impl(
-            "aioautograd-shared",
-            _aio_training(True, False, ag.engine.EnginePolicy(loop_shares_cores=True)),
+            "aioautograd-hold",
+            _aio_training(True, False, ag.engine.EnginePolicy(loop_shares_cores=False)),
             main_table=False,
         ),
         Impl("aioautograd-seq", _aio_training(False, False), main_table=False),

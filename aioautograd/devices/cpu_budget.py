@@ -22,13 +22,13 @@ between steps runs as it always did.
 
 Who counts: engine workers while they run nodes (``enter``/``leave``, called by the
 executor per run of nodes), helper threads while they run a part of a product, and any other
-thread (a user's) for the duration of a large product it runs. An event loop's thread that
-runs a large product holds every core until its callback has returned to the loop and the
-loop has run the I/O and tasks that became ready meanwhile (see ``CpuBudget.matmul``); while
-it runs Python in that time instead of a product, it keeps one core and lends the others to
-parked workers until its next product (``CpuBudget._lend``). With the policy's
-``loop_shares_cores``, a loop's thread whose product comes while other threads compute takes
-one core for it instead, and no hold.
+thread (a user's) for the duration of a large product it runs. An event loop's thread whose
+large product comes while other threads compute takes one core for it, as they do
+(``EnginePolicy.loop_shares_cores``, the default). One whose product comes while nothing else
+computes (or any, with ``loop_shares_cores`` off) holds every core until its callback has
+returned to the loop and the loop has run the I/O and tasks that became ready meanwhile (see
+``CpuBudget.matmul``); while it runs Python in that time instead of a product, it keeps one
+core and lends the others to parked workers until its next product (``CpuBudget._lend``).
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ class CpuBudget:
         self.hold_iterations = HOLD_ITERATIONS  # see EnginePolicy.loop_hold_iterations
         self.lend_cores = LEND_AFTER_CALLBACK  # see EnginePolicy.loop_lends_cores
         self.lent_slice_flops = 2.5e7  # see EnginePolicy.lent_slice_flops
-        self.loop_shares = False  # see EnginePolicy.loop_shares_cores
+        self.loop_shares = True  # see EnginePolicy.loop_shares_cores
         self._holds: list[_LoopHold] = []
         self._lent = 0  # holds lending their cores now (``_lend``)
         self._no_split_until = 0.0
@@ -293,7 +293,8 @@ class CpuBudget:
         return hold
 
     def hold_for_turn(self, loop: Any) -> None:
-        """The calling event loop's thread starts a coroutine's turn (it resumed from an
+        """(Not with ``loop_shares``, the default.) The calling event loop's thread starts a
+        coroutine's turn (it resumed from an
         awaited CPU backward pass: natural code runs its optimizer step and next forward pass
         now): while engine workers compute, hold every core as the turn's first large
         product would, until the current callback returns (and ``hold_iterations`` more
@@ -417,9 +418,11 @@ class CpuBudget:
         The result is bitwise the same whether the product is split or not (chunks are
         aligned to ``CHUNK_ALIGN``, so every element is computed by the same kernel in the
         same order), which keeps gradients reproducible whatever the load. A product on an
-        event loop's thread is urgent (every coroutine of that loop waits for it): it takes
-        every core, and the engine's workers yield theirs at their next node boundary or
-        product slice. A large one holds them until the loop's current callback returns
+        event loop's thread that comes while other threads compute takes one core, as theirs
+        do (``loop_shares``, the default). Otherwise (nothing else computing, or
+        ``loop_shares`` off) it is urgent (every coroutine of that loop waits for it): it
+        takes every core, and the engine's workers yield theirs at their next node boundary
+        or product slice. A large one holds them until the loop's current callback returns
         (a forward pass in a coroutine is several products with short gaps between them:
         without the hold the workers came back for each gap and the next product waited
         for them to leave again) and the loop has run ``hold_iterations`` more iterations

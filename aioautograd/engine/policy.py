@@ -67,17 +67,19 @@ class EnginePolicy:
             core), with a pause check between them: the kernel let a worker's 2-3 ms BLAS
             call finish its time slice before the event loop's thread got the core
             (``concurrent``, offload step: heartbeat p99 2.6 ms whatever ``gil_hold_s``).
-        loop_hold_s: an event loop's thread that runs a large product (a forward pass in a
-            coroutine) holds every core until its current callback returns to the loop (and
-            ``loop_hold_iterations`` more loop iterations), or for at most this long after
-            its last product: the engine's workers give up theirs at their next node or
-            product slice, and stay off the cores between the forward pass's products
-            instead of coming back for each gap between them (``concurrent``, natural code:
-            forward passes on the loop took 4-8 ms instead of ~2.5 while workers kept coming
-            back). A coroutine resumed from an awaited CPU backward takes the same hold at
-            once while workers compute (its optimizer step and next forward pass follow on
-            the loop: see ``CpuBudget.hold_for_turn``), lapsing after this long if no product
-            comes. 0: only each product is urgent.
+        loop_hold_s: with ``loop_shares_cores`` off, an event loop's thread that runs a large
+            product (a forward pass in a coroutine) holds every core until its current
+            callback returns to the loop (and ``loop_hold_iterations`` more loop iterations),
+            or for at most this long after its last product: the engine's workers give up
+            theirs at their next node or product slice, and stay off the cores between the
+            forward pass's products instead of coming back for each gap between them
+            (``concurrent``, natural code: forward passes on the loop took 4-8 ms instead of
+            ~2.5 while workers kept coming back). A coroutine resumed from an awaited CPU
+            backward takes the same hold at once while workers compute (its optimizer step
+            and next forward pass follow on the loop: see ``CpuBudget.hold_for_turn``),
+            lapsing after this long if no product comes. 0: only each product is urgent.
+            With ``loop_shares_cores`` (the default), a loop's product takes this hold only
+            when no other thread computes.
         loop_hold_iterations: the loop's hold lasts this many loop iterations after the
             callback that computed (unless ``loop_hold_s`` lapses first): a request read
             while a forward pass ran is handled in the next two (its reader callback, then
@@ -99,15 +101,18 @@ class EnginePolicy:
             threads compute takes one core for it, as any other thread does, instead of
             holding every core for its callback (``loop_hold_s``; a coroutine's turn takes
             no hold either): the workers keep computing through the loop's forward pass,
-            whose products run whole on the loop's thread, at one core's speed. Off by
-            default: it trades the loop's latency for throughput (``concurrent``, natural
-            code: 5-21% less wall time in in-process A/Bs, 1.12x and 1.27x the sequential
-            schedule against 0.89x and 1.00x, but the 1 ms heartbeat's p99 14-17 ms instead
-            of 8.5-11.5 and its longest delay up to 33 ms, a coroutine's turn being a forward
-            pass at one core's speed: benchmarks/README.md, session 27; session 35, nine
-            rounds: 11-26% less wall time, p99 3-8 ms worse, and ~7% fewer steps/s in the
-            aiohttp app's natural mode, which trains one model for four clients). For
-            training loops with nothing else to serve on the event loop.
+            whose products run whole on the loop's thread, at one core's speed. Alone (no
+            other thread computing), its products still take every core and the hold. On by
+            default since session 35: four models trained at once with natural code
+            (``concurrent``) took 11-26% less wall time than with the hold in nine rounds
+            out of nine (0.95-1.29x the sequential schedule, against 0.83-1.13x), and the
+            aiohttp app's natural mode was level (steps/s and ``/health`` p99 within the
+            rounds' spread). The price is the loop's latency while other passes compute:
+            the 1 ms heartbeat's p99 17-30 ms instead of 12-22 ms (benchmarks/README.md,
+            session 35; session 27 found the same trade). Off: a forward pass on the loop
+            gets every core at once, for a program that serves requests on its loop beside
+            training and keeps its forward passes there; ``offload`` is the way to keep the
+            loop free either way (heartbeat p99 under 2 ms).
         loop_slice_s: while a thread awaits an ``offload`` (an event loop's thread with
             the training step on a worker), it asks the kernel for a scheduler slice this
             short (Linux 6.12+, ``sched_attr.sched_runtime``; its weight, and so its share of
@@ -186,7 +191,7 @@ class EnginePolicy:
     loop_hold_iterations: int = 2
     loop_lends_cores: bool = True
     lent_slice_flops: float = 2.5e7
-    loop_shares_cores: bool = False
+    loop_shares_cores: bool = True
     loop_slice_s: float = 0.0001
     worker_nice: int = 0
     inline_budget_s: float = 0.0005

@@ -639,6 +639,7 @@ def test_a_worker_pauses_once_its_helper_has_the_chunks() -> None:
 async def test_a_turn_holds_the_cores_only_while_workers_compute(lend: int, held: int) -> None:
     budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
     budget.loop_hold_s = 10.0
+    budget.loop_shares = False  # the hold, not the default sharing: what this test is about
     budget.lend_cores = lend
     loop = asyncio.get_running_loop()
     rng = np.random.default_rng(0)

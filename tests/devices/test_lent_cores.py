@@ -51,6 +51,7 @@ async def test_a_lent_worker_stops_at_its_next_slice_when_the_loop_s_product_sta
     if not _cuts_exactly(wa, wb):
         pytest.skip("this BLAS does not cut float64 products exactly: they are never sliced")
     budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    budget.loop_shares = False  # the hold, not the default sharing: what this test is about
     budget.loop_hold_s = 10.0  # only the loop's own iterations end or lend the hold here
     assert budget.lend_cores == LEND_AFTER_CALLBACK
     budget.slice_flops = float("inf")  # a worker's product is sliced only while lent a core
@@ -143,6 +144,7 @@ async def test_a_hold_that_never_lends_keeps_the_worker_parked_until_it_ends() -
 @pytest.mark.timeout(30)
 async def test_a_turn_keeps_one_core_for_the_loop_and_lends_the_rest() -> None:
     budget = CpuBudget(cores=3, min_split_flops=0.0, manage_blas=False)
+    budget.loop_shares = False  # the hold, not the default sharing: what this test is about
     budget.loop_hold_s = 10.0
     loop = asyncio.get_running_loop()
     a = np.random.default_rng(13).standard_normal((256, 512))
@@ -169,6 +171,7 @@ async def test_a_turn_holds_the_cores_only_for_products_this_blas_cuts_exactly(
         cpu_budget_module._EXACT_BLOCKS, np.dtype(np.float64), (64, False) if exact else None
     )
     budget = CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False)
+    budget.loop_shares = False  # the hold, not the default sharing: what this test is about
     budget.loop_hold_s = 10.0
     loop = asyncio.get_running_loop()
     a = np.random.default_rng(19).standard_normal((256, 512))

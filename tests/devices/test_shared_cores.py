@@ -1,6 +1,7 @@
-"""``EnginePolicy.loop_shares_cores``: an event loop's product that comes while other threads
-compute takes one core, as theirs do, instead of holding every core for the loop's callback;
-alone, it still takes them all. Gradients stay those of the sequential run, bit for bit."""
+"""``EnginePolicy.loop_shares_cores`` (the default): an event loop's product that comes while
+other threads compute takes one core, as theirs do, instead of holding every core for the
+loop's callback (as it does with the option off); alone, it still takes them all. Gradients
+stay those of the sequential run, bit for bit."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ async def test_a_loop_s_product_beside_a_computing_worker_takes_one_core_when_sh
             assert not budget._holds
             assert budget.active == 1
         else:
-            # The default: the loop holds every core (the worker is over the budget and
+            # Not sharing: the loop holds every core (the worker is over the budget and
             # parks at its next node) and splits the product over them.
             assert (budget.split_products, budget.shared_products, budget.peak) == (1, 0, 3)
             assert len(budget._holds) == 1
@@ -120,14 +121,14 @@ async def test_a_sharing_loop_s_turn_takes_no_hold() -> None:
     budget = _budget(True)
     loop = asyncio.get_running_loop()
     a, b = _operands()
-    budget.matmul(a, b)  # this loop's forward passes are large: by default its turns hold
+    budget.matmul(a, b)  # this loop's forward passes are large: not sharing, its turns hold
     await _holds_released(budget)
     with a_worker_computing(budget):
         budget.hold_for_turn(loop)
         assert not budget._holds
         assert budget.active == 1
         budget.loop_shares = False
-        budget.hold_for_turn(loop)  # the default holds the cores, lending all but one
+        budget.hold_for_turn(loop)  # not sharing: it holds the cores, lending all but one
         assert len(budget._holds) == 1
         assert budget.active == 2
         await _holds_released(budget)
@@ -135,16 +136,18 @@ async def test_a_sharing_loop_s_turn_takes_no_hold() -> None:
 
 def test_the_policy_sets_whether_the_loop_shares_the_cores() -> None:
     ag.get_default_engine()
-    assert EnginePolicy().loop_shares_cores is False
-    engine = Engine(EnginePolicy(loop_shares_cores=True))
+    assert EnginePolicy().loop_shares_cores is True
+    assert CpuBudget(cores=2, min_split_flops=0.0, manage_blas=False).loop_shares is True
+    assert cpu_budget().loop_shares is True  # the default engine's policy
+    engine = Engine(EnginePolicy(loop_shares_cores=False))
     previous = ag.set_default_engine(engine)
     try:
-        assert cpu_budget().loop_shares is True
+        assert cpu_budget().loop_shares is False
     finally:
         assert previous is not None
         ag.set_default_engine(previous)
         engine.close()
-    assert cpu_budget().loop_shares is False
+    assert cpu_budget().loop_shares is True
 
 
 def _models() -> list[tuple[nn.Module, optim.Optimizer, ag.Tensor, ag.Tensor]]:
@@ -173,9 +176,9 @@ async def test_concurrent_training_with_a_sharing_loop_gives_the_sequential_weig
     sequential = _models()
     for run in sequential:
         await _train(*run)
-    # Products this size (256x256 @ 256x384: 50 MFLOP) are split, and a forward pass's take
-    # the cores by default; sharing, they run whole whenever a backward computes meanwhile.
-    engine = Engine(EnginePolicy(loop_shares_cores=True, intra_op_min_flops=1e7))
+    # Products this size (256x256 @ 256x384: 50 MFLOP) are split when nothing else computes;
+    # sharing (the default), a forward pass's run whole whenever a backward computes meanwhile.
+    engine = Engine(EnginePolicy(intra_op_min_flops=1e7))
     previous = ag.set_default_engine(engine)
     try:
         runs = _models()

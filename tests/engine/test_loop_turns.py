@@ -198,6 +198,7 @@ async def test_a_coroutine_resumed_from_a_backward_holds_the_cores_for_its_turn(
         loop_hold_s=10.0,
         inline_budget_s=0.0,
         loop_lends_cores=lends,
+        loop_shares_cores=False,  # the hold this test is about
     )
     engine = Engine(policy)
     ag.set_default_engine(engine)
