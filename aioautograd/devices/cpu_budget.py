@@ -293,12 +293,12 @@ class CpuBudget:
         return hold
 
     def hold_for_turn(self, loop: Any) -> None:
-        """(Not with ``loop_shares``, the default.) The calling event loop's thread starts a
-        coroutine's turn (it resumed from an
+        """The calling event loop's thread starts a coroutine's turn (it resumed from an
         awaited CPU backward pass: natural code runs its optimizer step and next forward pass
         now): while engine workers compute, hold every core as the turn's first large
         product would, until the current callback returns (and ``hold_iterations`` more
-        loop iterations) or ``loop_hold_s`` passes without a product.
+        loop iterations) or ``loop_hold_s`` passes without a product. Not with
+        ``loop_shares`` (the default): then a turn takes no hold.
 
         Why at the turn's start: a worker gives up its core at its next node or product
         slice (about 1 ms of BLAS). Asked only by the forward pass's first product, the
