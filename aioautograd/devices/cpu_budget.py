@@ -18,7 +18,8 @@ products, four models at once get one each, and nothing spins. A backward's two 
 products (a linear layer's input and weight gradients) run side by side instead, one per
 thread (``CpuBudget.matmul_pair``). The BLAS thread count the
 process had is restored whenever no aioautograd thread computes, so the user's own NumPy code
-between steps runs as it always did.
+between steps runs as it always did; OpenBLAS's pool is restarted once with a short idle spin
+(``blas_pool.py``), or those products would leave it spinning on a core the next backward needs.
 
 Who counts: engine workers while they run nodes (``enter``/``leave``, called by the
 executor per run of nodes), helper threads while they run a part of a product, and any other
@@ -48,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from aioautograd.devices.blas_pool import openblas_symbol, shorten_idle_spin
 from aioautograd.devices.gil_waiters import register_engine_thread
 from aioautograd.devices.memory import keep_freed_memory
 from aioautograd.devices.thread_slice import drop_inherited_slice
@@ -89,11 +91,14 @@ class _BlasThreads:
     """NumPy's BLAS thread count, set and read through the library's own C functions (about
     1 µs each). threadpoolctl finds the library; for OpenBLAS's process-wide pool its own
     setter is bypassed, because it lets only the first thread that used it change the count
-    (a worker thread's later calls would be ignored)."""
+    (a worker thread's later calls would be ignored). OpenBLAS's pool is restarted with a
+    short idle spin, once per process (``blas_pool.shorten_idle_spin``); ``spin`` says how
+    that went."""
 
     def __init__(self) -> None:
         self._get: Callable[[], int] | None = None
         self._set: Callable[[int], Any] | None = None
+        self.spin = "unsupported"
         try:
             from threadpoolctl import ThreadpoolController
         except ImportError:
@@ -106,9 +111,10 @@ class _BlasThreads:
         self._get = chosen.get_num_threads
         self._set = chosen.set_num_threads
         if chosen.internal_api == "openblas" and chosen.threading_layer == "pthreads":
-            setter = _openblas_symbol(chosen.dynlib, "openblas_set_num_threads")
+            setter = openblas_symbol(chosen.dynlib, "openblas_set_num_threads")
             if setter is not None:
                 self._set = setter
+                self.spin = shorten_idle_spin(chosen.dynlib, self.get, setter)
 
     @property
     def available(self) -> bool:
@@ -120,16 +126,6 @@ class _BlasThreads:
     def set(self, threads: int) -> None:
         if self._set is not None:
             self._set(threads)
-
-
-def _openblas_symbol(dynlib: Any, name: str) -> Any:
-    # NumPy's wheels ship OpenBLAS with a ``scipy_`` prefix and a ``64_`` suffix.
-    for prefix in ("", "scipy_"):
-        for suffix in ("", "64_", "_64"):
-            function = getattr(dynlib, prefix + name + suffix, None)
-            if function is not None:
-                return function
-    return None
 
 
 class CpuBudget:

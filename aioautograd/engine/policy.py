@@ -43,7 +43,9 @@ class EnginePolicy:
         manage_blas_threads: keep NumPy's BLAS on one thread while aioautograd computes and
             split large products over idle cores itself (``concurrent``: 4x slower with
             BLAS's own threads on 2 cores); the process's BLAS setting is restored whenever
-            no aioautograd thread computes.
+            no aioautograd thread computes. OpenBLAS's pool is also restarted once with a
+            ~0.4 ms idle spin instead of ~0.1 s (``devices/blas_pool.py``), unless a timeout
+            is set in the environment.
         intra_op: how a large product uses idle cores: ``"split"`` cuts it into blocks that
             the budget's helper threads claim (robust when other load takes a core: a slow
             helper delays one block, and a starved one stops the splitting), ``"blas"`` lets
