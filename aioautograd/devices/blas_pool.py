@@ -17,8 +17,8 @@ it is idle: BLAS goes to one thread first, so that no new call hands it work, an
 restart waits until every unnamed thread that Python did not start sleeps. When one does
 not within ``wait_s`` (a native thread keeps computing), the pool is left as it was.
 
-The user decides where ``OPENBLAS_THREAD_TIMEOUT`` (or ``GOTO_THREAD_TIMEOUT``) is set, and
-``EnginePolicy(manage_blas_threads=False)`` leaves BLAS alone altogether.
+A timeout set in the environment (``OPENBLAS_THREAD_TIMEOUT`` or ``GOTO_THREAD_TIMEOUT``) is
+kept, and ``EnginePolicy(manage_blas_threads=False)`` leaves BLAS alone altogether.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def shorten_idle_spin(
     count. Returns what was done, then and on every later call:
 
     - ``"shortened"``: the pool now sleeps ``2**SPIN_LOG2_CYCLES`` cycles after a call;
-    - ``"configured"``: a timeout was set in the environment before the pool started;
+    - ``"configured"``: a timeout is set in the environment (the user's to decide);
     - ``"busy"``: a native thread kept running for ``wait_s``; the pool was left alone;
     - ``"unsupported"``: not Linux, or a build without these entry points.
     """
@@ -83,7 +83,7 @@ def _shorten(
     shutdown = openblas_symbol(dynlib, "blas_thread_shutdown_")
     if not sys.platform.startswith("linux") or None in (timeout, read_env, shutdown):
         return "unsupported"
-    if int(timeout()) > 0 or os.environ.get("GOTO_THREAD_TIMEOUT"):
+    if int(timeout()) > 0 or any(os.environ.get(name) for name in (_ENV, "GOTO_THREAD_TIMEOUT")):
         return "configured"
     os.environ[_ENV] = str(SPIN_LOG2_CYCLES)
     try:

@@ -81,10 +81,15 @@ def test_a_pool_whose_threads_keep_running_is_left_alone(monkeypatch: pytest.Mon
 def test_a_timeout_from_the_environment_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     lib = _FakeOpenBlas(timeout=28)  # OPENBLAS_THREAD_TIMEOUT=28 when the library loaded
     assert _shorten(lib) == "configured"
-    monkeypatch.setenv("GOTO_THREAD_TIMEOUT", "26")
-    other = _FakeOpenBlas()
-    assert _shorten(other) == "configured"
-    assert lib.calls == other.calls == []
+    for name in ("GOTO_THREAD_TIMEOUT", "OPENBLAS_THREAD_TIMEOUT"):
+        # Set now, after the library loaded: still the user's setting, not overwritten.
+        with monkeypatch.context() as patch:
+            patch.setenv(name, "0")
+            other = _FakeOpenBlas()
+            assert _shorten(other) == "configured"
+            assert other.calls == []
+            assert os.environ[name] == "0"
+    assert lib.calls == []
 
 
 def test_a_library_without_the_entry_points_is_left_alone() -> None:
