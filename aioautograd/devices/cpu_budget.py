@@ -1034,6 +1034,8 @@ def configure(policy: Any, only_if_unset: bool = False) -> CpuBudget:
             )
         elif only_if_unset:
             return budget
+    # Made outside the lock: the first one may wait for OpenBLAS's pool (``blas_pool``).
+    blas = _BlasThreads() if policy.manage_blas_threads and budget._blas is None else None
     with budget._lock:
         budget.cores = cores
         budget.min_split_flops = policy.intra_op_min_flops
@@ -1047,7 +1049,7 @@ def configure(policy: Any, only_if_unset: bool = False) -> CpuBudget:
         budget.lent_slice_flops = policy.lent_slice_flops
         budget.loop_shares = policy.loop_shares_cores
         if policy.manage_blas_threads and budget._blas is None:
-            budget._blas = _BlasThreads()
+            budget._blas = blas if blas is not None else _BlasThreads()
             budget._user_blas_threads = budget._blas.get()
         elif not policy.manage_blas_threads and budget._blas is not None:
             if budget.active > 0:
