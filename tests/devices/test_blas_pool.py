@@ -199,3 +199,22 @@ def test_products_on_another_thread_while_the_pool_restarts_complete_and_agree()
     assert spin in ("shortened", "busy", "configured", "unsupported")
     assert finished == "True"
     assert agree == "True"
+
+
+def test_the_policy_that_manages_blas_again_gets_the_pool_s_outcome() -> None:
+    import aioautograd as ag
+    from aioautograd.devices.cpu_budget import cpu_budget
+
+    engine = ag.Engine(ag.EnginePolicy(manage_blas_threads=False))
+    previous = ag.set_default_engine(engine)
+    try:
+        assert cpu_budget()._blas is None  # BLAS left alone
+    finally:
+        ag.set_default_engine(previous if previous is not None else ag.Engine())
+        engine.close()
+    blas = cpu_budget()._blas
+    assert blas is not None
+    # Once per process: what the first budget did is what this one reports.
+    assert blas.spin in ("shortened", "configured", "busy", "unsupported")
+    if blas.spin != "unsupported":
+        assert blas.spin in blas_pool._outcomes.values()
