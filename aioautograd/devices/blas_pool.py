@@ -115,23 +115,21 @@ def _native_threads_sleep(deadline: float) -> bool:
         return False
     while True:
         started = {thread.native_id for thread in threading.enumerate()}
-        running = False
-        for tid in os.listdir("/proc/self/task"):
-            if int(tid) in started:
-                continue
-            try:
-                with open(f"/proc/self/task/{tid}/comm") as comm:
-                    if comm.read() != unnamed:
-                        continue
-                with open(f"/proc/self/task/{tid}/stat") as stat:
-                    state = stat.read().rsplit(")", 1)[1].split()[0]
-            except (OSError, IndexError):
-                continue  # the thread ended meanwhile
-            if state == "R":
-                running = True
-                break
-        if not running:
+        tasks = [tid for tid in os.listdir("/proc/self/task") if int(tid) not in started]
+        if not any(_runs_unnamed(tid, unnamed) for tid in tasks):
             return True
         if time.perf_counter() >= deadline:
             return False
         time.sleep(0.002)
+
+
+def _runs_unnamed(tid: str, unnamed: str) -> bool:
+    """Whether thread ``tid`` of this process has the name ``unnamed`` and is on a CPU."""
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as comm:
+            if comm.read() != unnamed:
+                return False
+        with open(f"/proc/self/task/{tid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "R"
+    except (OSError, IndexError):
+        return False  # the thread ended meanwhile
